@@ -1,0 +1,521 @@
+"""Pictures of the engine at work, drawn from its step traces.
+
+What you will learn: how to *see* a batching policy. Each engine returns one
+`StepTrace` per step (minicb/trace.py); this file turns a list of them into
+
+- `timeline_text`: a slot timeline for the terminal (rows = slots, columns = steps);
+- `plot_timeline`, `plot_block_map`, `plot_side_by_side`: the same as matplotlib figures,
+  plus the map of physical KV blocks and static vs continuous one above the other;
+- `StepPlayer`: a Jupyter widget with a play button that steps through a run;
+- `summarize`: the numbers behind the pictures (utilisation, evictions, refills, ...).
+
+Static batching shows up as long grey runs of wasted rows that wait for the
+slowest request of the batch; continuous batching shows slots that are refilled
+the step after they are freed. Chapters 02 and 06 use these pictures.
+
+Try it:  python -m minicb demo   (or open notebooks/06-continuous-batching.ipynb)
+
+Only the standard library is imported at module level: matplotlib and ipywidgets
+are imported inside the functions that need them, so `import minicb.viz` is
+cheap and works where neither is installed.
+"""
+from __future__ import annotations
+
+import colorsys
+import io
+import os
+import shutil
+import sys
+
+from minicb.trace import SlotState, StepTrace
+
+# ----------------------------------------------------------------------------
+# One identity per request: a letter and a colour, both derived from the request
+# id alone, so the same request looks the same in every picture (the static and
+# the continuous run of one workload, the timeline and the block map).
+
+# Upper case = prefill, lower case = decode, so each symbol needs both cases.
+# Latin first, then Greek and Cyrillic letters that do not look like Latin ones.
+_SYMBOLS = ("ABCDEFGHIJKLMNOPQRSTUVWXYZ" "ΓΔΘΛΞΠΣΦΨΩ" "БДЖЗИЛЦЧШЩЭЮЯ")
+
+WASTED_CHAR = "·"
+EMPTY_CHAR = " "
+# Event markers, drawn under the slot they happened in.
+MARKERS = {"stop": "x", "length": "#", "refill": "+", "preempt": "!"}
+_MARKER_MEANING = {
+    "stop": "finished (stop token)",
+    "length": "finished (max_tokens)",
+    "refill": "refill (a new request takes a used slot)",
+    "preempt": "preempted (back to waiting)",
+}
+# When two events land in one cell (or one compressed column), the rarer one wins.
+_PRIORITY = ("preempt", "stop", "length", "refill")
+_GREY = (0.78, 0.78, 0.78)  # wasted rows
+_WHITE = (1.0, 1.0, 1.0)  # empty slots, free blocks
+
+
+def request_symbol(request_id: int, prefill: bool = False) -> str:
+    letter = _SYMBOLS[request_id % len(_SYMBOLS)]
+    return letter if prefill else letter.lower()
+
+
+def request_color(request_id: int, prefill: bool = False) -> tuple[float, float, float]:
+    """RGB in [0, 1]. Hues step by the golden angle, so neighbouring ids never look alike;
+    the saturation keeps every colour away from the grey used for wasted rows."""
+    hue = (0.08 + request_id * 0.6180339887) % 1.0
+    return colorsys.hsv_to_rgb(hue, 0.6, 0.6 if prefill else 0.92)
+
+
+def _ansi(text: str, rgb: tuple[float, float, float], bold: bool = False) -> str:
+    # The 6x6x6 cube of 256-colour terminals: index 16 + 36 r + 6 g + b, with r, g, b in 0..5.
+    r, g, b = (round(c * 5) for c in rgb)
+    return f"\x1b[{'1;' if bold else ''}38;5;{16 + 36 * r + 6 * g + b}m{text}\x1b[0m"
+
+
+# ----------------------------------------------------------------------------
+# Events. A trace says which requests finished or were preempted in a step, but
+# not in which slot, and it does not flag refills at all; all three come from
+# comparing who holds each slot step by step.
+
+def _holder(trace: StepTrace, slot: int) -> int | None:
+    """Who owns the slot's row in this step. A wasted row still belongs to its finished request."""
+    if slot >= len(trace.slots) or trace.slots[slot].phase == "empty":
+        return None
+    return trace.slots[slot].request_id
+
+
+def _find_slot(traces: list[StepTrace], index: int, request_id: int) -> int | None:
+    # The slot the request holds at `index`, else the last slot it held before.
+    for i in range(index, -1, -1):
+        for slot in range(len(traces[i].slots)):
+            if _holder(traces[i], slot) == request_id:
+                return slot
+    return None
+
+
+def step_events(traces: list[StepTrace]) -> list[tuple[int, int | None, str, int]]:
+    """Every event as (trace index, slot, kind, request_id), kind in MARKERS.
+
+    - "stop"/"length": the request finished in this step (marked in its slot);
+    - "preempt": the request was sent back to waiting (marked in the slot it last held);
+    - "refill": a request entered a slot whose previous occupant was another request.
+    The slot is None when the request never appears in any slot.
+    """
+    events = []
+    last_holder: dict[int, int] = {}  # slot -> most recent request that held it
+    for i, trace in enumerate(traces):
+        for slot in range(len(trace.slots)):
+            rid = _holder(trace, slot)
+            if rid is None:
+                continue
+            # A first occupant is an admission, not a refill; neither is a preempted
+            # request coming back to the slot it left empty.
+            if last_holder.get(slot, rid) != rid:
+                events.append((i, slot, "refill", rid))
+            last_holder[slot] = rid
+        for rid, reason in trace.finished:
+            if reason not in ("stop", "length"):
+                raise ValueError(f"step {trace.step}: request {rid} finished with reason {reason!r}; "
+                                 "expected 'stop' or 'length'")
+            events.append((i, _find_slot(traces, i, rid), reason, rid))
+        for rid in trace.preempted:
+            events.append((i, _find_slot(traces, i, rid), "preempt", rid))
+    return events
+
+
+def summarize(traces: list[StepTrace]) -> dict:
+    """The headline numbers of a run. Utilisation = useful tokens / tokens computed:
+    padding and wasted rows count as computed but not useful."""
+    kinds = [kind for _, _, kind, _ in step_events(traces)]
+    computed = sum(t.num_tokens for t in traces)
+    useful = sum(t.num_useful_tokens for t in traces)
+    phases = [s.phase for t in traces for s in t.slots]
+    return {
+        "steps": len(traces),
+        "tokens_computed": computed,
+        "useful_tokens": useful,
+        "utilisation": useful / computed if computed else 0.0,
+        "evictions": sum(len(t.finished) for t in traces),
+        "refills": kinds.count("refill"),
+        "preemptions": sum(len(t.preempted) for t in traces),
+        "slot_steps": len(phases),
+        "idle_slot_steps": phases.count("wasted") + phases.count("empty"),  # slots doing no useful work
+        "time_s": sum(t.time_s for t in traces),
+    }
+
+
+# ----------------------------------------------------------------------------
+# The terminal timeline.
+#
+#             0         10        20
+#   slot 0    AAaaaaaaaBbbb
+#                     x+   #
+#   slot 1    Cccc····
+#                x
+#
+# Upper case = prefill, lower case = decode, · = wasted row, blank = empty slot.
+# The line under each slot holds its events.
+
+def _cell_char(slot_state, color: bool) -> str:
+    if slot_state.phase == "empty" or slot_state.request_id is None:
+        return EMPTY_CHAR
+    rid = slot_state.request_id
+    if slot_state.phase == "wasted":
+        return _ansi(WASTED_CHAR, _GREY) if color else WASTED_CHAR
+    prefill = slot_state.phase == "prefill"
+    char = request_symbol(rid, prefill)
+    return _ansi(char, request_color(rid), bold=prefill) if color else char
+
+
+def timeline_text(traces: list[StepTrace], *, width: int | None = None, color: bool = True) -> str:
+    """Slot timeline as text. `width` caps the number of step columns (None: fit the
+    terminal). With more steps than that, each column stands for `stride` consecutive
+    steps and shows the prefill in that span if there was one, else its last step."""
+    if not traces:
+        return "(no steps)"
+    label_width = 10
+    if width is None:
+        width = max(20, shutil.get_terminal_size((100, 24)).columns - label_width - 1)
+    if width < 1:
+        raise ValueError(f"width must be a positive number of columns, got {width!r}")
+    num_slots = max(len(t.slots) for t in traces)
+    stride = -(-len(traces) // width)  # ceil: steps per column
+    columns = [list(range(c, min(c + stride, len(traces)))) for c in range(0, len(traces), stride)]
+
+    # Events per (slot, column); the highest-priority kind wins the cell.
+    marks: dict[tuple[int, int], tuple[str, int]] = {}
+    for i, slot, kind, rid in step_events(traces):
+        if slot is None:
+            continue
+        key = (slot, i // stride)
+        if key not in marks or _PRIORITY.index(kind) < _PRIORITY.index(marks[key][0]):
+            marks[key] = (kind, rid)
+
+    def shown(slot: int, steps: list[int]):
+        # The slot state a compressed column displays: a prefill beats everything else,
+        # since admissions are the moments worth seeing.
+        states = [traces[i].slots[slot] for i in steps if slot < len(traces[i].slots)]
+        prefills = [s for s in states if s.phase == "prefill"]
+        return (prefills or states or [None])[-1]
+
+    # Axis: the step number every 10 columns.
+    axis = [" "] * len(columns)
+    for c in range(0, len(columns), 10):
+        label = str(traces[columns[c][0]].step)
+        if c + len(label) <= len(columns):
+            axis[c:c + len(label)] = label
+    scale = ("1 column = 1 step" if stride == 1
+             else f"1 column = {stride} steps (prefill shown if any, else the last)")
+    lines = [f"slot timeline: {len(traces)} steps x {num_slots} slots; {scale}",
+             " " * label_width + "".join(axis).rstrip()]
+    for slot in range(num_slots):
+        cells = []
+        for steps in columns:
+            state = shown(slot, steps)
+            cells.append(EMPTY_CHAR if state is None else _cell_char(state, color))
+        lines.append(f"slot {slot:<4} " + "".join(cells).rstrip())
+        under = []
+        for c in range(len(columns)):
+            kind, rid = marks.get((slot, c), (None, None))
+            char = MARKERS[kind] if kind else " "
+            under.append(_ansi(char, request_color(rid)) if kind and color else char)
+        lines.append(" " * label_width + "".join(under).rstrip())
+
+    # Legend: what the characters mean, then which symbol is which request.
+    lines.append(f"UPPER prefill, lower decode, {WASTED_CHAR} wasted row, blank empty slot; "
+                 + ", ".join(f"{MARKERS[k]} {_MARKER_MEANING[k]}" for k in MARKERS))
+    request_ids = sorted({s.request_id for t in traces for s in t.slots if s.request_id is not None})
+    legend = [f"{_cell_char(SlotState(rid, 'prefill'), color)}=r{rid}" for rid in request_ids]
+    lines.append("requests: " + " ".join(legend))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# matplotlib figures. Each drawing function draws into an Axes it is given, so
+# the same code serves a notebook figure, the saved comparison PNG and the frames
+# of the StepPlayer widget (which never touches pyplot, so frames pile up nowhere).
+
+def _pyplot():
+    """pyplot, on the Agg backend when there is no screen to draw on (CI, ssh, scripts)."""
+    import matplotlib
+
+    has_display = ("ipykernel" in sys.modules or sys.platform in ("darwin", "win32")
+                   or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")))
+    if "matplotlib.pyplot" not in sys.modules and not os.environ.get("MPLBACKEND") and not has_display:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _timeline_rgb(traces: list[StepTrace], num_slots: int, upto: int):
+    # rgb: [num_slots, num_steps, 3]; steps after `upto` stay white (not happened yet).
+    import numpy as np
+
+    rgb = np.ones((num_slots, len(traces), 3))
+    for i, trace in enumerate(traces[:upto + 1]):
+        for slot, state in enumerate(trace.slots):
+            if state.phase == "wasted":
+                rgb[slot, i] = _GREY
+            elif state.phase in ("prefill", "decode") and state.request_id is not None:
+                rgb[slot, i] = request_color(state.request_id, prefill=state.phase == "prefill")
+    return rgb
+
+
+def draw_timeline(ax, traces: list[StepTrace], *, title: str | None = None, current: int | None = None,
+                  legend: bool = True) -> None:
+    """Draw the slot timeline into `ax`. With `current`, only steps 0..current are drawn
+    and that step's column is framed; the x axis still spans the whole run."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch, Rectangle
+
+    if not traces:
+        raise ValueError("cannot draw a timeline of an empty trace list")
+    upto = len(traces) - 1 if current is None else current
+    if not 0 <= upto < len(traces):
+        raise ValueError(f"current step index {current!r} is outside 0..{len(traces) - 1}")
+    num_slots = max(len(t.slots) for t in traces)
+    first = traces[0].step  # x = step number, assuming the traces are consecutive steps
+    ax.imshow(_timeline_rgb(traces, num_slots, upto), aspect="auto", interpolation="nearest",
+              extent=(first - 0.5, first + len(traces) - 0.5, num_slots - 0.5, -0.5))
+    for boundary in range(num_slots - 1):  # thin white lines keep neighbouring slots apart
+        ax.axhline(boundary + 0.5, color="white", linewidth=0.8)
+
+    styles = {"stop": dict(marker="x", color="black"),
+              "length": dict(marker="|", color="black"),
+              "refill": dict(marker=">", color="white", edgecolors="black", linewidths=0.6),
+              "preempt": dict(marker="*", color="red", edgecolors="black", linewidths=0.4, s=70)}
+    events = [e for e in step_events(traces) if e[1] is not None and e[0] <= upto]
+    for kind, style in styles.items():
+        points = [(first + i, slot) for i, slot, k, _ in events if k == kind]
+        if points:
+            xs, ys = zip(*points)
+            ax.scatter(xs, ys, zorder=3, **{"s": 28, **style})
+    if current is not None:
+        ax.add_patch(Rectangle((first + upto - 0.5, -0.5), 1, num_slots, fill=False,
+                               edgecolor="black", linewidth=1.5, zorder=4))
+
+    ax.set_xlabel("step")
+    ax.set_ylabel("slot")
+    ax.set_yticks(range(num_slots) if num_slots <= 16 else range(0, num_slots, max(1, num_slots // 8)))
+    if title:
+        ax.set_title(title)
+    if legend:
+        sample = next((s.request_id for t in traces for s in t.slots if s.request_id is not None), 0)
+        handles = [Patch(facecolor=request_color(sample, prefill=True), label="prefill (darker)"),
+                   Patch(facecolor=request_color(sample), label="decode"),
+                   Patch(facecolor=_GREY, label="wasted row"),
+                   Patch(facecolor=_WHITE, edgecolor="0.6", label="empty")]
+        handles += [Line2D([], [], linestyle="", marker=s["marker"], markersize=9 if k == "preempt" else 7,
+                           color=s["color"], markeredgecolor=s.get("edgecolors", s["color"]),
+                           label=_MARKER_MEANING[k])
+                    for k, s in styles.items()]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
+def plot_timeline(traces: list[StepTrace], ax=None, title: str | None = None, *, current: int | None = None):
+    """The slot timeline as a figure: one cell per (slot, step), coloured by request."""
+    if ax is None:
+        num_slots = max(len(t.slots) for t in traces) if traces else 1
+        _, ax = _pyplot().subplots(figsize=(11, min(8.0, 1.5 + 0.3 * num_slots)), layout="constrained")
+    draw_timeline(ax, traces, title=title, current=current)
+    return ax.figure
+
+
+def plot_block_map(trace: StepTrace, ax=None):
+    """The physical KV blocks after one step, coloured by owning request; free blocks are white."""
+    import numpy as np
+    from matplotlib.collections import LineCollection
+
+    num_blocks = trace.num_blocks
+    if ax is None:
+        _, ax = _pyplot().subplots(figsize=(7, 3), layout="constrained")
+    if num_blocks == 0:  # the contiguous-cache engines (chapters 01-02) have no block pool
+        ax.text(0.5, 0.5, "no paged KV pool in this trace\n(contiguous cache: num_blocks = 0)",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        ax.set_title("KV blocks: none")
+        return ax.figure
+    if len(trace.block_owners) != num_blocks:
+        raise ValueError(f"step {trace.step}: block_owners has {len(trace.block_owners)} entries "
+                         f"but num_blocks is {num_blocks}; they must match")
+
+    # A wide grid (about 4 columns per row) reads better beside a timeline than a square.
+    cols = min(num_blocks, max(8, int(np.ceil(np.sqrt(4 * num_blocks)))))
+    rows = -(-num_blocks // cols)
+    rgba = np.zeros((rows, cols, 4))  # cells past the last block stay transparent
+    for block, owner in enumerate(trace.block_owners):
+        rgba[block // cols, block % cols] = (*(_WHITE if owner is None else request_color(owner)), 1.0)
+    ax.imshow(rgba, interpolation="nearest", extent=(-0.5, cols - 0.5, rows - 0.5, -0.5))
+    # One outline per block (one collection, so thousands of blocks stay cheap to draw).
+    corners = [(-0.5, -0.5), (0.5, -0.5), (0.5, 0.5), (-0.5, 0.5), (-0.5, -0.5)]
+    outlines = [[(c + dx, r + dy) for dx, dy in corners]
+                for r, c in (divmod(block, cols) for block in range(num_blocks))]
+    ax.add_collection(LineCollection(outlines, colors="0.6", linewidths=0.6))
+    if num_blocks <= 128:  # the request's letter, as in the text timeline
+        for block, owner in enumerate(trace.block_owners):
+            if owner is not None:
+                ax.text(block % cols, block // cols, request_symbol(owner, prefill=True),
+                        ha="center", va="center", fontsize=7)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():  # the block outlines are the frame; a box would enclose non-blocks
+        spine.set_visible(False)
+    ax.set_xlabel(f"block id = row x {cols} + column")
+    ax.set_title(f"KV blocks after step {trace.step}: {trace.num_free_blocks} of {num_blocks} free")
+    return ax.figure
+
+
+def plot_side_by_side(static_traces: list[StepTrace], continuous_traces: list[StepTrace], path: str | None = None):
+    """Static above continuous on one step axis, so the shorter run is visibly shorter."""
+    num_slots = max(len(t.slots) for t in static_traces + continuous_traces)
+    fig, (top, bottom) = _pyplot().subplots(2, 1, sharex=True, layout="constrained",
+                                            figsize=(11, min(12.0, 2.5 + 0.5 * num_slots)))
+    runs = ((top, "static batching", static_traces), (bottom, "continuous batching", continuous_traces))
+    for ax, name, traces in runs:
+        numbers = summarize(traces)
+        draw_timeline(ax, traces, legend=ax is top,
+                      title=f"{name}: {numbers['steps']} steps, utilisation {numbers['utilisation']:.0%} "
+                            f"({numbers['useful_tokens']} useful of {numbers['tokens_computed']} tokens computed)")
+    top.set_xlabel("")
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+# ----------------------------------------------------------------------------
+# The step player: a Play button and a slider that step through a run, showing the
+# timeline so far, the block map and the queues at the chosen step. Frames are PNG
+# bytes in ipywidgets.Image: that renders in JupyterLab, VS Code and nbviewer-like
+# tools without any custom JavaScript.
+
+class StepPlayer:
+    """Step through a run in Jupyter.
+
+        player = StepPlayer(continuous_traces, static_traces=static_traces)
+        player            # the last expression of a cell displays the widget
+
+    `player.step = k` (or dragging the slider, or Play) shows step k; `player.state()`
+    returns what is on screen as plain data, for tests and for reading along.
+    """
+
+    def __init__(self, traces: list[StepTrace], static_traces: list[StepTrace] | None = None):
+        import ipywidgets as widgets
+
+        if not traces:
+            raise ValueError("StepPlayer needs at least one StepTrace; got an empty list")
+        self.traces = list(traces)
+        self.static_traces = list(static_traces) if static_traces else None
+        # The slider spans the longer run; the shorter one stays on its last step.
+        last = max(len(self.traces), len(self.static_traces or [])) - 1
+        self._frames: dict[tuple[str, int], bytes] = {}  # (picture, trace index) -> PNG
+
+        self.play = widgets.Play(min=0, max=last, step=1, interval=400, description="play")
+        self.slider = widgets.IntSlider(min=0, max=last, value=0, description="step")
+        widgets.jslink((self.play, "value"), (self.slider, "value"))
+        self.timeline_image = widgets.Image(format="png")
+        self.timeline_image.add_class("minicb-slot-timeline")
+        self.block_image = widgets.Image(format="png")
+        self.block_image.add_class("minicb-block-map")
+        self.queues = widgets.HTML()
+        self.queues.add_class("minicb-queues")
+        pictures = [self.timeline_image, self.block_image]
+        if self.static_traces:
+            self.static_image = widgets.Image(format="png")
+            self.static_image.add_class("minicb-static-timeline")
+            pictures.insert(0, self.static_image)  # stacked above, on the same step axis
+        else:
+            self.static_image = None
+        self.widget = widgets.VBox([widgets.HBox([self.play, self.slider]),
+                                    widgets.HBox([widgets.VBox(pictures), self.queues])])
+        self.widget.add_class("minicb-step-player")
+        self.slider.observe(lambda change: self._show(change["new"]), names="value")
+        self._show(0)
+
+    @property
+    def step(self) -> int:
+        return self.slider.value
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.slider.value = value
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def _index(self) -> int:
+        return min(self.slider.value, len(self.traces) - 1)
+
+    def state(self) -> dict:
+        """What the player shows at the current step, as plain data."""
+        index = self._index()
+        trace = self.traces[index]
+        return {
+            "step": trace.step,
+            "slots": [s.request_id if s.phase != "empty" else None for s in trace.slots],
+            "phases": [s.phase for s in trace.slots],
+            "waiting": list(trace.waiting),
+            "running": list(trace.running),
+            # Finished so far, in finishing order: a trace lists only this step's finishers.
+            "finished": [rid for t in self.traces[:index + 1] for rid, _ in t.finished],
+            "num_free_blocks": trace.num_free_blocks,
+            "block_owners": list(trace.block_owners),
+        }
+
+    def _frame(self, picture: str, index: int) -> bytes:
+        key = (picture, index)
+        if key not in self._frames:
+            from matplotlib.figure import Figure
+
+            # A bare Figure (no pyplot): nothing is registered globally, nothing shows twice.
+            # Fixed margins instead of a layout engine: layout would double the time per frame.
+            if picture == "block":
+                fig = Figure(figsize=(7, 2.6), dpi=80)
+                fig.subplots_adjust(left=0.03, right=0.97, bottom=0.12, top=0.86)
+                plot_block_map(self.traces[index], ax=fig.add_subplot())
+            else:
+                traces = self.static_traces if picture == "static" else self.traces
+                name = ("static batching" if picture == "static"
+                        else "continuous batching" if self.static_traces else "")
+                num_slots = max(len(t.slots) for t in traces)
+                height = min(6.0, 1.6 + 0.28 * num_slots)
+                fig = Figure(figsize=(10, height), dpi=80)
+                fig.subplots_adjust(left=0.06, right=0.72, bottom=0.55 / height, top=1 - 0.4 / height)
+                ax = fig.add_subplot()
+                draw_timeline(ax, traces, current=index,
+                              title=f"{name} step {traces[index].step} of {len(traces) - 1}".strip())
+                # Both timelines span the slider's range, so the same step sits at the same x.
+                ax.set_xlim(traces[0].step - 0.5, traces[0].step + self.slider.max + 0.5)
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png")
+            self._frames[key] = buffer.getvalue()
+        return self._frames[key]
+
+    def _queues_html(self) -> str:
+        state = self.state()
+        trace = self.traces[self._index()]
+
+        def chips(request_ids):
+            if not request_ids:
+                return "<i>none</i>"
+            return " ".join(
+                f"<span style='background:#{''.join(f'{round(c * 255):02x}' for c in request_color(rid))};"
+                f"padding:0 3px;border-radius:3px'>r{rid}</span>" for rid in request_ids)
+
+        rows = [("waiting", state["waiting"]), ("running", state["running"]),
+                ("finished", state["finished"]), ("admitted this step", trace.admitted),
+                ("finished this step", [rid for rid, _ in trace.finished]),
+                ("preempted this step", trace.preempted)]
+        body = "".join(f"<tr><td><b>{name}</b> ({len(ids)})</td><td>{chips(ids)}</td></tr>" for name, ids in rows)
+        blocks = (f"{trace.num_free_blocks} of {trace.num_blocks} free" if trace.num_blocks
+                  else "no paged pool")
+        return (f"<div style='font-family:monospace;min-width:260px'><b>step {trace.step}</b>"
+                f"<table>{body}<tr><td><b>KV blocks</b></td><td>{blocks}</td></tr></table></div>")
+
+    def _show(self, value: int) -> None:
+        index = min(value, len(self.traces) - 1)
+        self.timeline_image.value = self._frame("timeline", index)
+        self.block_image.value = self._frame("block", index)
+        if self.static_traces:
+            self.static_image.value = self._frame("static", min(value, len(self.static_traces) - 1))
+        self.queues.value = self._queues_html()
