@@ -1,0 +1,98 @@
+"""The command line: python -m minicb {generate, demo, bench, check}.
+
+    python -m minicb generate "What is the capital of France?"   # stream an answer
+    python -m minicb demo                                         # static vs continuous batching, side by side
+    python -m minicb bench                                        # minicb vs HF transformers
+    python -m minicb check 3                                      # grade chapter 3's exercise
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or HF checkpoint directory (default: embedded SmolLM2)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+
+
+def cmd_generate(args) -> int:
+    from minicb import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
+    if llm.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer files, so text prompts cannot be encoded")
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt = llm.tokenizer.apply_chat_template(messages) if not args.raw else llm.tokenizer.encode(args.prompt)
+    tokens, shown = [], ""
+    for event in llm.stream([prompt], params):
+        # Decode everything so far and print what is new: a token can be half of a
+        # multi-byte character, so decoding tokens one by one would garble text.
+        tokens.append(event.token_id)
+        text = llm.tokenizer.decode(tokens)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+        if event.output is not None:
+            m = event.output.metrics
+            print(f"\n[{len(tokens)} tokens, finish_reason={event.output.finish_reason}, "
+                  f"{len(tokens) / max(m.latency, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minicb", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = ap.add_subparsers(dest="command", metavar="{generate,demo,bench,check}")
+
+    g = sub.add_parser("generate", help="stream an answer to one prompt (chat template applied)")
+    g.add_argument("prompt")
+    add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--attention", default="torch", choices=["torch", "triton"])
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+    d = sub.add_parser("demo", help="static vs continuous batching on the bundled prompts, with slot timelines")
+    add_model_args(d)
+    d.add_argument("--num-prompts", type=int, default=24)
+    d.add_argument("--slots", type=int, default=8)
+    d.add_argument("--max-tokens", type=int, default=96)
+    d.add_argument("--png", default="build/demo_timeline.png")
+
+    # These two parse their own arguments (python -m minicb bench --help).
+    sub.add_parser("bench", help="throughput and latency: minicb engines vs HF transformers", add_help=False)
+    sub.add_parser("check", help="run a chapter's tests against your exercise file", add_help=False)
+    args, rest = ap.parse_known_args(argv)
+
+    if args.command == "bench":
+        from minicb.bench import main as bench_main
+        return bench_main(rest)
+    if args.command == "check":
+        from minicb.check import main as check_main
+        return check_main(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command is None:
+        ap.print_help()
+        return 0
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "demo":
+            from minicb.demo import main as demo_main
+            return demo_main(args)
+    except (ValueError, RuntimeError, FileNotFoundError, TypeError) as e:
+        # Bad input from the command line: say what was wrong, not a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

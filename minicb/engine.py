@@ -1,0 +1,169 @@
+"""Chapter 06: the continuous-batching engine -- one step at a time.
+
+In this file you will learn how the pieces of the earlier chapters become a
+serving loop. `Engine.step()` does, in order:
+
+    1. schedule     the scheduler picks the decodes and the newly admitted prefills
+    2. prepare      one packed batch: input ids, positions, and AttentionMetadata
+                    (slot mapping, block tables, context lengths, query offsets)
+    3. forward      ONE model call over the ragged batch, decodes and prefills together
+    4. sample       one token per sequence, each with its own generator
+    5. postprocess  append tokens, evict finished sequences, free their blocks
+
+and returns a `StepTrace` saying what every slot did. Because a finished
+sequence leaves at the end of the step that finished it, the next step's
+`schedule()` can put a waiting request straight into its slot: no row of the
+batch ever idles while work is waiting. That is the whole trick.
+
+    engine = Engine(model, EngineConfig(max_num_seqs=8))
+    rid = engine.add_request([1, 422, 88], SamplingParams(max_tokens=16))
+    while engine.has_unfinished():
+        trace = engine.step()
+    engine.sequences[rid].output_token_ids
+
+`minicb.llm.LLM` wraps this with a tokenizer, progress bars and output objects.
+Chapter text: chapters/06-continuous-batching/README.md.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from minicb import impl
+from minicb.model import Model
+from minicb.paged_attention import KVPool
+from minicb.paged_model import AttentionMetadata, PagedAttention, attention_kernels
+from minicb.sampling import SamplingParams, make_generator, sample
+from minicb.trace import SlotState, StepTrace
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV pool size; None = from the memory budget below
+    max_num_seqs: int = 32  # slots: sequences decoding together
+    max_num_batched_tokens: int = 4096  # new tokens per step, caps how much prefill joins a step
+    attention: str = "torch"  # "torch" (chapter 04) or "triton" (chapter 05)
+    watermark: float = 0.01  # fraction of blocks kept free at admission
+    gpu_memory_fraction: float = 0.5  # KV budget on CUDA: this fraction of free memory
+    cpu_kv_gib: float = 1.0  # KV budget on CPU
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig | None = None):
+        self.model, self.config = model, config or EngineConfig()
+        cfg, ec = model.config, self.config
+        num_blocks = ec.num_blocks
+        if num_blocks is None:
+            budget = KVPool.memory_budget(model.device, ec.gpu_memory_fraction, ec.cpu_kv_gib)
+            num_blocks = KVPool.num_blocks_for_memory(budget, cfg.num_layers, ec.block_size,
+                                                      cfg.num_kv_heads, cfg.head_dim, model.dtype)
+        self.kernels = attention_kernels(ec.attention)
+        # The chapter components come through impl.load, so MINICB_IMPL=student
+        # runs this very loop on the student's allocator and scheduler.
+        allocator = impl.load("block_allocator").BlockAllocator(num_blocks, ec.block_size)
+        scheduling = impl.load("scheduler")
+        self.Sequence = scheduling.Sequence
+        self.scheduler = scheduling.Scheduler(
+            allocator, ec.max_num_seqs, cfg.max_position_embeddings, cfg.eos_token_ids,
+            ec.max_num_batched_tokens, ec.watermark)
+        self.allocator = allocator
+        self.pool = KVPool(cfg.num_layers, num_blocks, ec.block_size, cfg.num_kv_heads, cfg.head_dim,
+                           model.dtype, model.device)
+        self.sequences = {}  # request_id -> Sequence, every request ever added
+        self.generators: dict[int, torch.Generator | None] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests -------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never be served. Changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # the fields may have been changed after construction
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        self.scheduler.check_request(prompt_token_ids, params)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> int:
+        """Queue a request; returns its id. Raises (and queues nothing) if it can never be served."""
+        prompt_token_ids = list(prompt_token_ids)
+        self.check_request(prompt_token_ids, params)
+        rid = next(self._ids)
+        seq = self.Sequence(rid, prompt_token_ids, params,
+                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        self.scheduler.add(seq)
+        self.sequences[rid] = seq
+        self.generators[rid] = make_generator(params, self.model.device)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        if self.scheduler.abort(request_id) is None:
+            raise KeyError(f"request {request_id} is not waiting or running")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------
+
+    def step(self) -> StepTrace:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        for src, dst in out.block_copies:  # copy-on-write of shared blocks (prefix sharing)
+            self.pool.copy_block(src, dst)
+        seqs = out.sequences  # decodes first, then prefills
+        slot_of = {s.request_id: (s.slot, "decode" if i < len(out.decodes) else "prefill", out.num_new_tokens(s))
+                   for i, s in enumerate(seqs)}
+        tokens: list[int] = []
+        if seqs:
+            input_ids, positions, meta = self.prepare(out)
+            attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
+            logits = self.model(input_ids, positions, attention, logits_at=meta.last_token_index())  # [1, S, V]
+            tokens = sample(logits[0], [s.params for s in seqs], [self.generators[s.request_id] for s in seqs])
+        finished = self.scheduler.postprocess(out, tokens, time.perf_counter())
+        for seq in finished:
+            self.generators.pop(seq.request_id, None)
+        self.num_steps += 1
+        return self._trace(out, slot_of, tokens, finished, time.perf_counter() - t0)
+
+    def prepare(self, out) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Pack the scheduled sequences into one batch: input_ids, positions [1, N] and metadata."""
+        input_ids, positions, slots, tables, context_lens, num_new = [], [], [], [], [], []
+        for seq in out.sequences:
+            start, end = seq.num_computed_tokens, seq.num_tokens  # the uncached tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += self.allocator.slot_mapping(seq.request_id, start, end)
+            tables.append(self.allocator.block_table(seq.request_id))
+            context_lens.append(end)
+            num_new.append(end - start)
+        device = self.model.device
+        meta = AttentionMetadata.build(tables, context_lens, num_new, slots, len(out.decodes), device)
+        return (torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), meta)
+
+    def _trace(self, out, slot_of, tokens, finished, seconds) -> StepTrace:
+        slots = [SlotState(None, "empty", 0) for _ in range(self.config.max_num_seqs)]
+        for rid, (slot, phase, n) in slot_of.items():
+            slots[slot] = SlotState(rid, phase, n)
+        num_tokens = sum(s.num_tokens for s in slots)
+        return StepTrace(
+            step=self.num_steps - 1, slots=slots,
+            admitted=list(out.admitted),
+            finished=[(s.request_id, s.finish_reason) for s in finished],
+            preempted=list(out.preempted),
+            waiting=[s.request_id for s in self.scheduler.waiting],
+            running=[s.request_id for s in self.scheduler.running],
+            num_free_blocks=self.allocator.num_free_blocks,
+            num_blocks=self.allocator.num_blocks,
+            block_owners=self.allocator.block_owners(),
+            num_tokens=num_tokens, num_useful_tokens=num_tokens,  # no padding, no idle rows
+            time_s=seconds,
+            new_tokens=[(s.request_id, t) for s, t in zip(out.sequences, tokens)],
+        )

@@ -1,0 +1,195 @@
+"""The public API: `LLM` and its outputs, on top of chapter 06's engine.
+
+    from minicb import LLM, SamplingParams
+    llm = LLM()                                   # embedded SmolLM2; cuda if available else cpu
+    outs = llm.generate(["What is 2+2?"], SamplingParams(max_tokens=64))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].metrics
+
+Prompts are strings (tokenized as they are), token-id lists, or, through
+`chat`, lists of {"role", "content"} messages (the model's chat template is
+applied). Everything is checked before anything is queued: a bad request raises
+a ValueError naming what was wrong, and the same `LLM` keeps serving.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from minicb.engine import Engine, EngineConfig
+from minicb.model import Model
+from minicb.sampling import SamplingParams
+from minicb.trace import StepTrace
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # seconds since the generate() call started
+    first_token_time: float | None  # when the first output token was sampled
+    finish_time: float | None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    index: int  # position in the list given to generate()
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens, with the EOS/stop token that ended them
+    text: str | None  # decoded (special tokens skipped); None without a tokenizer
+    finish_reason: str  # "stop" | "length" | "abort"
+    metrics: RequestMetrics
+
+
+@dataclass
+class StreamEvent:
+    index: int  # which prompt
+    token_id: int
+    output: RequestOutput | None = None  # set on the request's last token
+
+
+class LLM:
+    """A model, its tokenizer and a continuous-batching engine."""
+
+    def __init__(self, model: str | None = None, device: str | None = None, dtype: str = "float32",
+                 block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 32,
+                 attention: str = "torch", max_num_batched_tokens: int = 4096):
+        """model: None for the embedded SmolLM2, a .gguf file, or an HF checkpoint directory.
+        device: None for cuda when available, else cpu."""
+        from minicb.tokenizer import load_tokenizer
+        from minicb.weights import load_model
+
+        net = load_model(model, device=device, dtype=dtype)
+        tokenizer = None
+        try:
+            tokenizer = load_tokenizer(model)
+        except (OSError, ValueError):
+            if model is None:
+                raise  # the embedded model always has a tokenizer; this is a real error
+        self._setup(net, tokenizer, EngineConfig(
+            block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs, attention=attention,
+            max_num_batched_tokens=max_num_batched_tokens))
+
+    @classmethod
+    def from_model(cls, net: Model, tokenizer=None, **engine_config) -> "LLM":
+        """Wrap an already built model, e.g. `minicb.model.random_model()` in tests."""
+        llm = cls.__new__(cls)
+        llm._setup(net, tokenizer, EngineConfig(**engine_config))
+        return llm
+
+    def _setup(self, net: Model, tokenizer, config: EngineConfig) -> None:
+        self.model, self.tokenizer = net, tokenizer
+        self.engine = Engine(net, config)
+        self.traces: list[StepTrace] = []  # the last call's steps
+
+    # ---- turning user input into token ids -------------------------------------------
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one token")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _requests(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = [self._encode(p) for p in prompts]
+        params = params if params is not None else SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        # All or nothing: check every request before queueing any.
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                self.engine.check_request(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return prompts, params
+
+    # ---- running -----------------------------------------------------------------------
+
+    def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+               arrival_times: list[float] | None = None) -> Iterator[StreamEvent]:
+        """Yield each new token as it is sampled. `arrival_times` (seconds from now) simulates online traffic.
+
+        Every request is checked here, before the first token: a bad one raises
+        at once and nothing is queued.
+        """
+        prompts, params = self._requests(prompts, params)
+        if arrival_times is not None and len(arrival_times) != len(prompts):
+            raise ValueError(f"got {len(arrival_times)} arrival times for {len(prompts)} prompts")
+        return self._events(prompts, params, arrival_times)
+
+    def _events(self, prompts, params, arrival_times) -> Iterator[StreamEvent]:
+        arrivals = sorted(range(len(prompts)), key=lambda i: arrival_times[i] if arrival_times else 0.0)
+        start = time.perf_counter()
+        index_of: dict[int, int] = {}
+        self.traces = []
+        pending = list(arrivals)
+        try:
+            while pending or self.engine.has_unfinished():
+                now = time.perf_counter() - start
+                while pending and (arrival_times is None or arrival_times[pending[0]] <= now):
+                    i = pending.pop(0)
+                    arrive = start + (arrival_times[i] if arrival_times else 0.0)
+                    index_of[self.engine.add_request(prompts[i], params[i], arrival_time=arrive)] = i
+                if not self.engine.has_unfinished():
+                    time.sleep(max(0.0, arrival_times[pending[0]] - now))  # idle until the next arrival
+                    continue
+                trace = self.engine.step()
+                self.traces.append(trace)
+                done = {rid for rid, _ in trace.finished}
+                for rid, token in trace.new_tokens:
+                    yield StreamEvent(index_of[rid], token,
+                                      self._output(rid, index_of[rid], start) if rid in done else None)
+        finally:
+            for rid in index_of:  # a caller that stops early leaves nothing running
+                if self.engine.sequences[rid].status != "finished":
+                    self.engine.abort(rid)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, arrival_times: list[float] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        from tqdm.auto import tqdm
+
+        events = self.stream(prompts, params, arrival_times)
+        outputs: dict[int, RequestOutput] = {}
+        total = None if isinstance(prompts, str) else len(prompts)
+        with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm) as bar:
+            for event in events:
+                if event.output is not None:
+                    outputs[event.index] = event.output
+                    bar.update(1)
+        return [outputs[i] for i in sorted(outputs)]
+
+    def chat(self, conversations: list[list[dict]], params=None, **kwargs) -> list[RequestOutput]:
+        """Apply the chat template to each conversation, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # a single conversation
+        return self.generate([self.tokenizer.apply_chat_template(c) for c in conversations], params, **kwargs)
+
+    def _output(self, rid: int, index: int, start: float) -> RequestOutput:
+        seq = self.engine.sequences[rid]
+        rel = (lambda t: None if t is None else t - start)
+        return RequestOutput(
+            index=index, prompt_token_ids=list(seq.prompt_token_ids), token_ids=list(seq.output_token_ids),
+            text=self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else None,
+            finish_reason=seq.finish_reason,
+            metrics=RequestMetrics(rel(seq.arrival_time), rel(seq.first_token_time), rel(seq.finish_time),
+                                   seq.num_preemptions),
+        )

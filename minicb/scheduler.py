@@ -1,0 +1,223 @@
+"""Chapter 06: the scheduler -- who runs this step, who waits, who is evicted.
+
+In this file you will learn the bookkeeping of continuous batching, with no
+tensors in sight:
+- requests wait in a FIFO queue; running requests sit in `max_num_seqs` fixed
+  slots (the rows of the batch);
+- every step, each running request decodes one token, and waiting requests are
+  admitted into free slots *in the same step* as prefills -- as long as a slot
+  is free, the KV pool has blocks for the whole prompt (plus a small watermark
+  kept back for the running requests to grow into), and the step's token budget
+  allows;
+- a request that finishes (EOS, stop token, max_tokens) leaves its slot at once
+  and its blocks go back to the pool, so the next step can refill the slot;
+- when a running request needs a new block and none is free, the *newest*
+  running request is preempted: its blocks are freed, and it goes back to the
+  front of the queue to be recomputed (prompt + what it generated so far) later.
+
+The engine (minicb/engine.py) calls `schedule()` before the forward pass and
+`postprocess()` after sampling. Chapter text: chapters/06-continuous-batching/README.md.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minicb.block_allocator import BlockAllocator
+from minicb.sampling import SamplingParams, finish_reason
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (too long for the context or the KV pool)."""
+
+
+@dataclass
+class Sequence:
+    """One request's state from arrival to finish."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: str = "waiting"  # "waiting" | "running" | "finished"
+    slot: int | None = None  # which batch row it occupies while running
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What the engine computes this step. Decodes come first in the batch, then prefills."""
+
+    decodes: list[Sequence] = field(default_factory=list)  # one new token each
+    prefills: list[Sequence] = field(default_factory=list)  # all their uncached tokens
+    admitted: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.decodes + self.prefills
+
+    def num_new_tokens(self, seq: Sequence) -> int:
+        return seq.num_tokens - seq.num_computed_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_model_len: int,
+                 eos_token_ids: list[int], max_num_batched_tokens: int = 2048, watermark: float = 0.01):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs}; it must be >= 1")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}; it must be >= 1")
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        # Blocks kept free at admission so running requests can grow without
+        # being preempted right away. 1% of the pool, as in vLLM, at least 1 block.
+        self.watermark_blocks = max(1, int(watermark * allocator.num_blocks)) if watermark > 0 else 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.slots: list[Sequence | None] = [None] * max_num_seqs
+
+    # ---- requests in ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request, or reject it now if it could never run (it would block the queue forever)."""
+        self.check_request(seq.prompt_token_ids, seq.params)
+        self.waiting.append(seq)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected if this request can never be served; change nothing."""
+        prompt_len = len(prompt_token_ids)
+        if prompt_len == 0:
+            raise RequestRejected("the prompt is empty; give at least one token")
+        if prompt_len >= self.max_model_len:
+            raise RequestRejected(f"the prompt has {prompt_len} tokens but the model's context is "
+                                  f"{self.max_model_len}; it must be shorter so one token can be generated")
+        # Running alone, with the whole pool to itself, the request must be able to
+        # finish: prompt + every token it may generate. Otherwise it would be
+        # preempted and re-admitted forever, and everyone behind it would wait.
+        max_len = min(prompt_len + params.max_tokens, self.max_model_len)
+        need = self.allocator.blocks_needed(max_len)
+        if need > self.allocator.num_blocks:
+            raise RequestRejected(
+                f"the request needs up to {max_len} tokens of KV cache (prompt {prompt_len} + max_tokens "
+                f"{params.max_tokens}) = {need} blocks of {self.allocator.block_size}, but the pool has only "
+                f"{self.allocator.num_blocks} blocks; it can never finish. Lower max_tokens, shorten the prompt, "
+                f"or give the engine more num_blocks")
+
+    def abort(self, request_id: int) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._finish(seq, "abort")
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._finish(seq, "abort")
+                return seq
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        # 1. Decodes. Every running request gets one more token slot. Oldest first,
+        #    so when blocks run out, the newest ones give theirs up.
+        for seq in list(self.running):
+            if seq.status != "running":
+                continue  # preempted a moment ago to make room for an older request
+            while not self.allocator.can_append(seq.request_id):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.status == "running":
+                copy = self.allocator.append(seq.request_id)
+                if copy is not None:
+                    out.block_copies.append(copy)
+                out.decodes.append(seq)
+
+        # 2. Prefills. Admit from the front of the queue while there is a slot,
+        #    blocks (beyond the watermark) and token budget. Not in a step that just
+        #    preempted: the pool is short, and the preempted go first anyway.
+        budget = self.max_num_batched_tokens - len(out.decodes)
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = seq.num_tokens  # prompt, plus earlier outputs when recomputing
+            if num_tokens > budget and (out.decodes or out.prefills):
+                break  # too much work for this step; it goes first next step
+            reserve = self.watermark_blocks if self.running else 0
+            if self.allocator.blocks_needed(num_tokens) + reserve > self.allocator.num_free_blocks:
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.allocator.allocate(seq.request_id, num_tokens)
+            seq.status, seq.num_computed_tokens = "running", 0
+            seq.slot = self.slots.index(None)
+            self.slots[seq.slot] = seq
+            self.running.append(seq)
+            out.prefills.append(seq)
+            out.admitted.append(seq.request_id)
+            budget -= num_tokens
+        return out
+
+    def postprocess(self, out: SchedulerOutput, new_tokens: list[int], now: float) -> list[Sequence]:
+        """Append each scheduled sequence's sampled token; evict the finished. Returns them."""
+        finished = []
+        for seq, token in zip(out.sequences, new_tokens):
+            seq.num_computed_tokens = seq.num_tokens  # everything fed this step is now cached
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = finish_reason(token, len(seq.output_token_ids), seq.params, self.eos_token_ids)
+            if reason is None and seq.num_tokens >= self.max_model_len:
+                reason = "length"  # the context is full
+            if reason:
+                seq.finish_time = now
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    # ---- moving sequences between the queues --------------------------------------
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.request_id)
+        self.running.remove(seq)
+        self.slots[seq.slot] = None
+        seq.slot = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute, not swap: drop its K/V entirely. Its outputs so far are kept,
+        # and on re-admission prompt + outputs are prefilled in one go.
+        self._release(seq)
+        seq.status, seq.num_computed_tokens = "waiting", 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == "running":
+            self._release(seq)
+        seq.status, seq.finish_reason = "finished", reason
