@@ -1,0 +1,162 @@
+"""Chapter 06, end to end: the continuous-batching engine against chapter 01.
+
+Whatever the batch looks like -- requests arriving mid-run, slots refilled,
+sequences preempted and recomputed -- each request's greedy tokens must be the
+ones chapter 01's one-at-a-time loop produces.
+"""
+import random
+
+import pytest
+import torch
+
+from minicb import LLM, SamplingParams
+from minicb.engine import Engine, EngineConfig
+from minicb.model import random_model
+from minicb.naive import generate_with_cache
+
+
+def first_difference(a, b) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"first difference at token {i}: engine {x}, chapter 01 {y}"
+    return f"lengths differ: engine {len(a)}, chapter 01 {len(b)}"
+
+
+@pytest.fixture(scope="module")
+def tiny(device="cpu"):
+    return random_model(seed=1)
+
+
+@pytest.mark.task(4)
+def test_stress_random_arrivals_with_preemption(tiny):
+    """200 requests, random lengths, random arrival steps, a pool small enough to preempt."""
+    rng = random.Random(0)
+    requests = []
+    for _ in range(200):
+        prompt = [rng.randrange(3, tiny.config.vocab_size) for _ in range(rng.randint(1, 24))]
+        requests.append((rng.randint(0, 150), prompt, SamplingParams(max_tokens=rng.randint(1, 16))))
+    engine = Engine(tiny, EngineConfig(block_size=4, num_blocks=24, max_num_seqs=8))
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
+    rid_of, finished, preemptions, step = {}, [], 0, 0
+    while pending or engine.has_unfinished():
+        while pending and requests[pending[0]][0] <= step:
+            i = pending.pop(0)
+            rid_of[engine.add_request(requests[i][1], requests[i][2])] = i
+        trace = engine.step()
+        finished += [rid for rid, _ in trace.finished]
+        preemptions += len(trace.preempted)
+        step += 1
+        assert step < 5000, "the engine stopped making progress"
+    assert sorted(finished) == sorted(rid_of), "every request must finish exactly once"
+    assert preemptions > 0, "the pool was meant to force preemption"
+    assert engine.allocator.num_free_blocks == 24, "every block must be free at the end"
+    for rid, i in rid_of.items():
+        _, prompt, params = requests[i]
+        want = generate_with_cache(tiny, prompt, params).token_ids
+        got = engine.sequences[rid].output_token_ids
+        assert got == want, f"request {i}: {first_difference(got, want)}"
+
+
+@pytest.mark.task(4)
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    prompt = [5, 17, 99, 3]
+    alone = LLM.from_model(tiny, num_blocks=64, block_size=4).generate([prompt], params, use_tqdm=False)[0]
+    others = [[7] * 9, [200, 3, 4], [11] * 20]
+    crowd = LLM.from_model(tiny, num_blocks=64, block_size=4).generate(
+        others + [prompt], [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in (1, 2, 3)] + [params],
+        use_tqdm=False)[-1]
+    assert crowd.token_ids == alone.token_ids, first_difference(crowd.token_ids, alone.token_ids)
+    unseeded_greedy = generate_with_cache(tiny, prompt, SamplingParams(max_tokens=12)).token_ids
+    assert alone.token_ids != unseeded_greedy, "temperature 1 sampling should not collapse to greedy here"
+
+
+@pytest.mark.task(4)
+def test_bad_requests_are_refused_and_the_llm_keeps_serving(tiny):
+    llm = LLM.from_model(tiny, num_blocks=8, block_size=4)
+    bad = {
+        "empty prompt": ([[]], SamplingParams()),
+        "never fits": ([[5] * 10], SamplingParams(max_tokens=40)),
+        "token id out of range": ([[5, 10_000]], SamplingParams(max_tokens=2)),
+    }
+    for name, (prompts, params) in bad.items():
+        with pytest.raises(ValueError) as err:
+            llm.generate(prompts, params, use_tqdm=False)
+        assert str(err.value), name
+    for kwargs, field in (({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+                          ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+    assert not llm.engine.has_unfinished(), "nothing from a refused call may stay queued"
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    assert out.token_ids == generate_with_cache(tiny, [5, 6, 7], SamplingParams(max_tokens=3)).token_ids
+
+
+@pytest.mark.task(4)
+def test_streaming_and_metrics(tiny):
+    llm = LLM.from_model(tiny, num_blocks=64, block_size=4, max_num_seqs=2)
+    prompts = [[5, 6], [7, 8, 9], [10]]
+    events = list(llm.stream(prompts, SamplingParams(max_tokens=4), arrival_times=[0.0, 0.0, 0.05]))
+    per_request = {i: [e.token_id for e in events if e.index == i] for i in range(3)}
+    finals = {e.index: e.output for e in events if e.output is not None}
+    assert sorted(finals) == [0, 1, 2]
+    for i, out in finals.items():
+        assert per_request[i] == out.token_ids, "the stream must carry exactly the final tokens"
+        m = out.metrics
+        assert m.arrival_time <= m.first_token_time <= m.finish_time
+    assert finals[2].metrics.arrival_time >= 0.05 - 1e-3, "request 2 must not arrive early"
+
+
+@pytest.mark.task(4)
+def test_triton_backend_matches_torch_backend(tiny):
+    prompts = [[5, 6, 7, 8, 9], [3] * 11]
+    params = SamplingParams(max_tokens=4)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM.from_model(tiny, num_blocks=16, block_size=4, attention=backend)
+        runs[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs["torch"] == runs["triton"]
+
+
+# ---- the real model
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from minicb.data import load_chat_prompts
+    from minicb.tokenizer import load_tokenizer
+    from minicb.weights import load_model
+
+    model, tok = load_model(None, device="cpu"), load_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in load_chat_prompts(32)]
+    return model, tok, prompts
+
+
+@pytest.mark.slow
+def test_smollm2_32_prompts_equal_chapter01_with_and_without_preemption(smollm2):
+    model, tok, prompts = smollm2
+    params = SamplingParams(max_tokens=32)
+    want = [generate_with_cache(model, p, params).token_ids for p in prompts]
+    # Enough blocks for everyone, then so few that sequences keep getting preempted.
+    need = max(-(-(len(p) + 32) // 16) for p in prompts)
+    for num_blocks, min_preemptions in ((None, 0), (need + 2, 20)):
+        llm = LLM.from_model(model, tok, max_num_seqs=8, num_blocks=num_blocks)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        preemptions = sum(len(t.preempted) for t in llm.traces)
+        assert preemptions >= min_preemptions, f"num_blocks={num_blocks}: only {preemptions} preemptions"
+        for i, (o, w) in enumerate(zip(outs, want)):
+            assert o.token_ids == w, f"num_blocks={num_blocks}, prompt {i}: {first_difference(o.token_ids, w)}"
+
+
+@pytest.mark.slow
+def test_smollm2_paged_torch_and_triton_equal_chapter01(smollm2):
+    """Chapter 04/05 integration: one forward path per backend, 8 chat prompts."""
+    from minicb.paged_model import generate_paged
+
+    model, tok, prompts = smollm2
+    params = SamplingParams(max_tokens=6 if not torch.cuda.is_available() else 32)  # interpreter is slow on CPU
+    for i, p in enumerate(prompts[:8]):
+        want = generate_with_cache(model, p, params).token_ids
+        for backend in ("torch", "triton"):
+            got = generate_paged(model, p, params, attention=backend).token_ids
+            assert got == want, f"{backend}, prompt {i}: {first_difference(got, want)}"
