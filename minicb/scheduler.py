@@ -143,9 +143,15 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: decodes of the running requests, then new prefills."""
         out = SchedulerOutput()
-        # 1. Decodes. Every running request gets one more token slot. Oldest first,
-        #    so when blocks run out, the newest ones give theirs up.
+        self.schedule_decodes(out)
+        self.admit(out)
+        return out
+
+    def schedule_decodes(self, out: SchedulerOutput) -> None:
+        """Give every running request one more token slot, preempting the newest when blocks run out."""
+        # Oldest first, so when blocks run out, the newest requests give theirs up.
         for seq in list(self.running):
             if seq.status != "running":
                 continue  # preempted a moment ago to make room for an older request
@@ -161,9 +167,11 @@ class Scheduler:
                     out.block_copies.append(copy)
                 out.decodes.append(seq)
 
-        # 2. Prefills. Admit from the front of the queue while there is a slot,
-        #    blocks (beyond the watermark) and token budget. Not in a step that just
-        #    preempted: the pool is short, and the preempted go first anyway.
+    def admit(self, out: SchedulerOutput) -> None:
+        """Move requests from the front of the queue into free slots, as prefills."""
+        # Admit while there is a slot, blocks (beyond the watermark) and token budget.
+        # Not in a step that just preempted: the pool is short, and the preempted
+        # requests are at the front of the queue anyway.
         budget = self.max_num_batched_tokens - len(out.decodes)
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -182,7 +190,6 @@ class Scheduler:
             out.prefills.append(seq)
             out.admitted.append(seq.request_id)
             budget -= num_tokens
-        return out
 
     def postprocess(self, out: SchedulerOutput, new_tokens: list[int], now: float) -> list[Sequence]:
         """Append each scheduled sequence's sampled token; evict the finished. Returns them."""
