@@ -1,0 +1,226 @@
+"""Grade a chapter's exercises: `python -m minicb check N [--file PATH] [-k EXPR] [-v]`.
+
+It runs chapter N's tests (tests/test_chNN_*.py) against your
+chapters/NN-slug/exercise.py -- or against PATH with --file, which is how a
+teacher grades a submission -- and prints one row per task:
+
+    task  passed  status  first failure
+    1     9/9     PASS
+    2     0/4     FAIL    NotImplementedError: Chapter 3, task 2: append() -- see ...
+
+The exit code is 0 only when every test ran and passed (tests that skip
+themselves, such as GPU-only ones on a laptop, are not failures).
+
+How it works: the tests run in a fresh `python -m pytest` with
+MINICB_IMPL=student (or MINICB_IMPL_FILE=PATH), so `minicb.impl.load()` hands
+them your module, and with this file loaded as a pytest plugin (`-p
+minicb.check`). The plugin reads each test's `@pytest.mark.task(k)` marker and
+writes every result to a JSON file that the parent reads back. A subprocess
+keeps your module, and anything it breaks, out of the grader's own process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from minicb import impl
+
+REPORT_ENV = "MINICB_CHECK_REPORT"  # where the plugin in the child process writes its results
+
+
+@dataclass
+class TestResult:
+    nodeid: str  # pytest's id, e.g. "tests/test_ch03_block_allocator.py::test_fork_errors"
+    task: int | None  # from @pytest.mark.task(k); None when the test has no marker
+    outcome: str  # "passed" | "failed" | "skipped"
+    message: str = ""  # first line of the failure ("NotImplementedError: ..."), or the skip reason
+
+
+@dataclass
+class Report:
+    results: list[TestResult] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # collection errors: a test file that did not import
+    returncode: int = 0  # pytest's exit code
+    output: str = ""  # pytest's own output (empty when it went to the terminal)
+
+    @property
+    def passed(self) -> bool:
+        # pytest's exit code counts too: it catches what per-test results cannot
+        # show, such as an internal error after the last test or no test selected.
+        return (self.returncode == 0 and not self.errors and bool(self.results)
+                and all(r.outcome != "failed" for r in self.results))
+
+
+# ---- the plugin half: runs inside the child pytest -----------------------------
+
+
+def _first_line(longrepr) -> str:
+    """The exception line of a pytest failure, e.g. 'AssertionError: seq 1: ...'."""
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None and crash.message:
+        return crash.message.strip().splitlines()[0]
+    if isinstance(longrepr, tuple):  # skips: (path, lineno, reason)
+        return str(longrepr[-1])
+    # Collection errors arrive as formatted text; pytest prefixes exception lines with "E".
+    text = str(longrepr).strip()
+    exception_lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    return exception_lines[-1] if exception_lines else (text.splitlines()[-1] if text else "")
+
+
+class _Collector:
+    def __init__(self, path: str):
+        self.path = path
+        self.tasks: dict[str, int | None] = {}
+        self.results: dict[str, TestResult] = {}
+        self.errors: list[str] = []
+
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            marker = item.get_closest_marker("task")
+            self.tasks[item.nodeid] = int(marker.args[0]) if marker and marker.args else None
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.errors.append(f"{report.nodeid or 'collection'}: {_first_line(report.longrepr)}")
+
+    def pytest_runtest_logreport(self, report):
+        # One test reports three times (setup, call, teardown). The first failure
+        # wins; a skip in setup (e.g. no CUDA) makes the whole test a skip.
+        result = self.results.setdefault(report.nodeid, TestResult(report.nodeid, self.tasks.get(report.nodeid),
+                                                                   "passed"))
+        if result.outcome == "failed":
+            return
+        if report.failed:
+            result.outcome, result.message = "failed", _first_line(report.longrepr)
+        elif report.skipped:
+            result.outcome, result.message = "skipped", _first_line(report.longrepr)
+
+    def pytest_sessionfinish(self):
+        with open(self.path, "w") as file:
+            json.dump({"results": [vars(r) for r in self.results.values()], "errors": self.errors}, file)
+
+
+def pytest_configure(config):
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        config.pluginmanager.register(_Collector(path), "minicb-check-collector")
+
+
+# ---- the grader half: runs in your process --------------------------------------
+
+
+def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
+              pytest_args: list[str] | tuple[str, ...] = (), verbose: bool = False) -> Report:
+    """Run chapter `chapter`'s tests against the student's file; collect per-test results.
+
+    exercise_file: grade this file instead of chapters/NN-slug/exercise.py.
+    pytest_args: passed on to pytest (e.g. ["-k", "not random"]).
+    verbose: let pytest print to the terminal (-v) instead of capturing it.
+    """
+    module = impl.module_for_chapter(chapter)  # raises ValueError naming the allowed chapters
+    test_files = sorted((impl.ROOT / "tests").glob(f"test_ch{chapter:02d}_*.py"))
+    if not test_files:
+        raise FileNotFoundError(f"chapter {chapter} has no tests: nothing matches tests/test_ch{chapter:02d}_*.py")
+    # The child must import minicb (for `-p minicb.check` and impl.load) from
+    # this checkout, whether or not the package is pip-installed.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(impl.ROOT), os.environ.get("PYTHONPATH")])))
+    # A MINICB_IMPL_FILE left over in the caller's shell would silently win over
+    # the file we were asked to grade; impl.load() checks it first.
+    env.pop("MINICB_IMPL_FILE", None)
+    if exercise_file is not None:
+        exercise_file = os.path.abspath(exercise_file)  # the child runs from the repository root
+        if not os.path.isfile(exercise_file):
+            raise FileNotFoundError(f"--file {exercise_file}: no such file")
+        env["MINICB_IMPL_FILE"] = exercise_file
+    else:
+        if not impl.exercise_path(module).is_file():
+            raise FileNotFoundError(f"exercise file not found: {impl.exercise_path(module)}")
+        env["MINICB_IMPL"] = "student"
+
+    with tempfile.TemporaryDirectory() as scratch:
+        env[REPORT_ENV] = os.path.join(scratch, "results.json")
+        # no:cacheprovider: grading must not leave .pytest_cache behind, nor reorder
+        # tests by what failed last time.
+        command = [sys.executable, "-m", "pytest", *map(str, test_files), "-p", "minicb.check",
+                   "-p", "no:cacheprovider", "-v" if verbose else "-q", "--tb=short", *pytest_args]
+        child = subprocess.run(command, cwd=impl.ROOT, env=env, text=True,
+                               stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)
+        report = Report(returncode=child.returncode, output=child.stdout or "")
+        try:
+            with open(env[REPORT_ENV]) as file:
+                data = json.load(file)
+        except FileNotFoundError:  # pytest died before the session finished (bad arguments, crash)
+            report.errors.append(f"pytest exited with code {child.returncode} before reporting any results")
+            return report
+    report.results = [TestResult(**r) for r in data["results"]]
+    report.errors += data["errors"]
+    return report
+
+
+def format_table(report: Report, width: int = 100) -> str:
+    """One row per task: task | passed/total | status | first failure (cut to `width`)."""
+    by_task: dict[int | None, list[TestResult]] = {}
+    for result in report.results:
+        by_task.setdefault(result.task, []).append(result)
+    rows = [("task", "passed", "status", "first failure")]
+    for task in sorted(by_task, key=lambda t: (t is None, t or 0)):
+        results = by_task[task]
+        passed = sum(r.outcome == "passed" for r in results)
+        skipped = sum(r.outcome == "skipped" for r in results)
+        failures = [r for r in results if r.outcome == "failed"]
+        status = "FAIL" if failures else ("PASS" if passed else "SKIP")
+        count = f"{passed}/{len(results)}" + (f" ({skipped} skipped)" if skipped else "")
+        rows.append(("?" if task is None else str(task), count, status, failures[0].message if failures else ""))
+    # The message column is last and unpadded, so only it gets cut to fit the terminal.
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = []
+    for row in rows:
+        line = "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3]
+        lines.append(line if len(line) <= width else line[:width - 3] + "...")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minicb check",
+                                     description="Run a chapter's tests against your exercise file, task by task.")
+    parser.add_argument("chapter", type=int, help="chapter number, e.g. 3")
+    parser.add_argument("--file", help="grade this file instead of chapters/NN-slug/exercise.py")
+    parser.add_argument("-k", dest="keyword", help="only run tests whose names match this pytest -k expression")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show pytest's output and every failing test in full")
+    args = parser.parse_args(argv)
+
+    try:
+        module = impl.module_for_chapter(args.chapter)
+        target = args.file or impl.exercise_path(module).relative_to(impl.ROOT)
+        print(f"chapter {args.chapter} ({module}): grading {target}", flush=True)
+        report = run_tests(args.chapter, args.file, ["-k", args.keyword] if args.keyword else [], args.verbose)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    for error in report.errors:
+        print(f"error: {error}")
+    if report.results:
+        print(format_table(report, width=shutil.get_terminal_size((100, 24)).columns))
+    elif report.output:  # nothing ran: show pytest's own explanation
+        print(report.output[-3000:])
+    if args.verbose:
+        for result in report.results:
+            if result.outcome == "failed":
+                print(f"\nFAILED {result.nodeid}\n  {result.message}")
+    total = len(report.results)
+    passed = sum(r.outcome == "passed" for r in report.results)
+    verdict = "all tests passed" if report.passed else "not done yet"
+    print(f"\n{passed}/{total} tests passed: {verdict}.")
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

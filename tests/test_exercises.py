@@ -1,0 +1,204 @@
+"""The exercise files fit their reference and their tests, for every chapter.
+
+For each chapter in `minicb.impl.CHAPTERS`:
+- every stub in chapters/NN-slug/exercise.py has the reference's signature
+  (names, kinds and defaults of its parameters), so a student's finished file
+  can stand in for the reference anywhere;
+- every stub only raises NotImplementedError("Chapter N, task K: ... #task-K")
+  (never passes), and the chapter text has a "## Task K" heading for each K;
+  a function that raises nothing is given code (e.g. a wrapper that calls the
+  student's functions) and is left alone;
+- the chapter's tests, run against the untouched stubs, fail with
+  NotImplementedError and nothing else, and fail at least once per task --
+  so each task is graded, and no test trips over something the student was
+  given.
+
+Then `python -m minicb check 3` must fail on the stubs and pass on a copy of
+the reference (chapter 3 only, to stay fast).
+
+Run one chapter with e.g. `pytest tests/test_exercises.py -k ch03`.
+"""
+import ast
+import functools
+import importlib
+import inspect
+import re
+import shutil
+
+import pytest
+
+from minicb import check, impl
+
+MODULES = sorted(impl.CHAPTERS, key=lambda name: impl.CHAPTERS[name][0])
+IDS = [f"ch{impl.CHAPTERS[name][0]:02d}_{name}" for name in MODULES]
+STUB_MESSAGE = re.compile(r"Chapter (\d+), task (\d+)\b.*README\.md#task-(\d+)", re.S)
+
+
+def exercise_file(module):
+    path = impl.exercise_path(module)
+    assert path.is_file(), f"chapter {impl.CHAPTERS[module][0]} has no exercise file yet: {path}"
+    return path
+
+
+def parameters(function) -> list[tuple]:
+    # Annotations are left out on purpose: with or without `from __future__ import
+    # annotations` they print differently, and they do not change how a call binds.
+    return [(p.name, p.kind.name, repr(p.default)) for p in inspect.signature(function).parameters.values()]
+
+
+def callable_of(member):
+    """The function behind a class attribute (method, property, static or class method)."""
+    if isinstance(member, property):
+        return member.fget
+    if isinstance(member, (staticmethod, classmethod)):
+        return member.__func__
+    return member if inspect.isfunction(member) else None
+
+
+def stubs(exercise) -> dict[str, object]:
+    """Public functions, classes and methods the exercise file defines itself (not the given ones)."""
+    found = {}
+    for name, obj in vars(exercise).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != exercise.__name__:
+            continue  # private, or re-exported from the reference
+        if inspect.isfunction(obj):
+            found[name] = obj
+        elif inspect.isclass(obj):
+            found[name] = obj
+            for attr, member in vars(obj).items():
+                if attr == "__init__" or not attr.startswith("_"):
+                    found[f"{name}.{attr}"] = member
+    return found
+
+
+@pytest.mark.parametrize("module", MODULES, ids=IDS)
+def test_stub_signatures_match_the_reference(module):
+    exercise = impl.load_file(exercise_file(module), f"minicb_student_{module}")
+    reference = importlib.import_module(f"minicb.{module}")
+    found = stubs(exercise)
+    assert found, f"{exercise_file(module)} defines no stubs"
+    problems = []
+    for qualname, stub in found.items():
+        owner = reference
+        for part in qualname.split(".")[:-1]:
+            owner = getattr(owner, part, None)
+        name = qualname.split(".")[-1]
+        if owner is None or not hasattr(owner, name):
+            problems.append(f"{qualname}: not in minicb.{module}")
+            continue
+        ref = inspect.getattr_static(owner, name)
+        if inspect.isclass(stub):
+            if not inspect.isclass(ref):
+                problems.append(f"{qualname}: a class here, {type(ref).__name__} in the reference")
+            continue
+        if type(stub) is not type(ref) and not (inspect.isfunction(stub) and inspect.isfunction(ref)):
+            problems.append(f"{qualname}: {type(stub).__name__} here, {type(ref).__name__} in the reference")
+            continue
+        stub_fn, ref_fn = callable_of(stub), callable_of(ref)
+        if stub_fn is not None and parameters(stub_fn) != parameters(ref_fn):
+            problems.append(f"{qualname}{inspect.signature(stub_fn)} != reference "
+                            f"{qualname}{inspect.signature(ref_fn)}")
+    assert not problems, "exercise and reference differ:\n  " + "\n  ".join(problems)
+
+
+def stub_functions(tree):
+    """Every function defined at module level or directly in a class, with its qualified name."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield f"{node.name}.{item.name}", item
+
+
+@functools.lru_cache(maxsize=None)
+def stub_tasks(module) -> frozenset[int]:
+    """Task numbers named by the stubs' NotImplementedError messages; checks each stub on the way."""
+    chapter = impl.CHAPTERS[module][0]
+    source = exercise_file(module).read_text()
+    tasks, problems = set(), []
+    for qualname, function in stub_functions(ast.parse(source)):
+        body = function.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        if all(isinstance(statement, ast.Pass) or (isinstance(statement, ast.Expr) and isinstance(
+                statement.value, ast.Constant)) for statement in body):
+            problems.append(f"{qualname}: an empty stub; it must raise NotImplementedError, never pass")
+            continue
+        raises = [node.exc for node in ast.walk(function) if isinstance(node, ast.Raise)
+                  and isinstance(node.exc, ast.Call) and getattr(node.exc.func, "id", None) == "NotImplementedError"]
+        if not raises:
+            continue  # given code, written out here because it calls the student's functions
+        if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is not raises[0]:
+            problems.append(f"{qualname}: a stub must do nothing but `raise NotImplementedError(...)`")
+            continue
+        raised = raises[0]
+        match = STUB_MESSAGE.search(ast.get_source_segment(source, raised) or "")
+        if not match or int(match[1]) != chapter or match[2] != match[3]:
+            problems.append(f"{qualname}: message must read 'Chapter {chapter}, task K: ... "
+                            f"see chapters/.../README.md#task-K'")
+            continue
+        tasks.add(int(match[2]))
+    assert not problems, f"{exercise_file(module)}:\n  " + "\n  ".join(problems)
+    return frozenset(tasks)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=IDS)
+def test_stubs_only_raise_and_point_at_the_text(module):
+    tasks = stub_tasks(module)
+    assert tasks, f"{exercise_file(module)} has no stubs"
+    readme = exercise_file(module).parent / "README.md"
+    assert readme.is_file(), f"chapter text missing: {readme}"
+    headings = {int(n) for n in re.findall(r"^## Task (\d+)\b", readme.read_text(), re.M)}
+    missing = sorted(tasks - headings)
+    assert not missing, f"stubs point at tasks {missing}, but {readme} has no '## Task K' heading for them"
+
+
+@functools.lru_cache(maxsize=None)
+def stub_report(module) -> check.Report:
+    # Slow tests (the real model) are left out: against stubs they fail like
+    # their fast neighbours, only later.
+    return check.run_tests(impl.CHAPTERS[module][0], pytest_args=["-m", "not slow"])
+
+
+@pytest.mark.parametrize("module", MODULES, ids=IDS)
+def test_tests_fail_on_stubs_with_not_implemented_only(module):
+    exercise_file(module)
+    report = stub_report(module)
+    assert not report.errors, f"chapter tests did not run against the stubs: {report.errors}\n{report.output[-2000:]}"
+    assert report.results, f"no tests ran:\n{report.output[-2000:]}"
+    unmarked = [r.nodeid for r in report.results if r.task is None]
+    assert not unmarked, f"tests without @pytest.mark.task(k), so no task can be graded: {unmarked}"
+    wrong = [f"{r.nodeid}: {r.message}" for r in report.results
+             if r.outcome == "failed" and not r.message.startswith("NotImplementedError")]
+    assert not wrong, ("against the untouched stubs these tests failed with something other than "
+                       "NotImplementedError:\n  " + "\n  ".join(wrong))
+    tasks = stub_tasks(module)
+    failing_tasks = {r.task for r in report.results if r.outcome == "failed"}
+    assert tasks <= failing_tasks, f"tasks {sorted(tasks - failing_tasks)} have stubs but no test that fails on them"
+    unknown = {r.task for r in report.results} - tasks
+    assert not unknown, f"tests are marked with tasks {sorted(unknown)}, which no stub names"
+
+
+def test_check_command_exit_codes(tmp_path, monkeypatch, capsys):
+    # Against the stubs: a non-zero exit and a table naming the task to do first.
+    # (The stub run is shared with the test above; main() still formats and decides.)
+    with monkeypatch.context() as patch:
+        patch.setattr(check, "run_tests", lambda *args, **kwargs: stub_report("block_allocator"))
+        assert check.main(["3"]) == 1
+    table = capsys.readouterr().out
+    assert "FAIL" in table and "NotImplementedError: Chapter 3, task 1" in table, table
+
+    # Against a copy of the reference: exit 0. The 10,000 random sequences are
+    # left out (-k) to keep this fast; test_ch03 runs them on the reference.
+    copy = tmp_path / "submission.py"
+    shutil.copy(impl.ROOT / "minicb" / "block_allocator.py", copy)
+    assert check.main(["3", "--file", str(copy), "-k", "not random"]) == 0, capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "PASS" in table and "FAIL" not in table, table
+
+    # Usage errors are exit code 2 with a sentence, not a traceback.
+    assert check.main(["99"]) == 2
+    assert "chapter 99" in capsys.readouterr().err
+    assert check.main(["3", "--file", str(tmp_path / "missing.py")]) == 2
