@@ -338,7 +338,8 @@ def test_paging_wastes_little_on_long_tailed_lengths():
 # shares exactly the blocks it should -- so its ref counts are right -- while
 # it stays free to pick any physical block it likes.
 #
-# Count: 2,500 sequences per test x 4 tests = 10,000 sequences of 30 operations,
+# Count: 2,500 sequences per test x 4 tests = 10,000 sequences of 30 operations
+# (plus 400 hypothesis-generated ones at the end of the file),
 # seeded so every run is the same; about 20 s on a 2-core laptop. A failure
 # prints the operations that led to it.
 
@@ -518,3 +519,32 @@ def test_random_fork_and_copy_on_write_sequences():
 @pytest.mark.task(4)
 def test_random_sequences_with_slot_checks():
     run_random_sequences(["allocate", "free", "append", "append", "fork"], seed=4, check_slots=True)
+
+
+# ---- the same model, driven by hypothesis --------------------------------------
+#
+# The seeded sequences above give volume; hypothesis adds search and shrinking: it
+# steers towards edge cases (empty sequences, full blocks, forks of forks) and, when
+# something breaks, reduces the failing sequence to a minimal one before printing it.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ids = st.sampled_from(list(SEQ_IDS))
+operation = st.one_of(
+    st.tuples(st.just("allocate"), ids, st.integers(0, 3 * BLOCK_SIZE + 1)),
+    st.tuples(st.just("free"), ids),
+    st.tuples(st.just("append"), ids),
+    st.tuples(st.just("fork"), ids, ids),
+)
+
+
+@pytest.mark.task(3)
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.lists(operation, max_size=40))
+def test_hypothesis_operation_sequences(operations):
+    model = AllocatorModel(check_slots=True)
+    for name, *args in operations:
+        getattr(model, name)(*args)
+        model.check()
+    model.free_everything()
