@@ -61,6 +61,9 @@ class Engine:
             budget = KVPool.memory_budget(model.device, ec.gpu_memory_fraction, ec.cpu_kv_gib)
             num_blocks = KVPool.num_blocks_for_memory(budget, cfg.num_layers, ec.block_size,
                                                       cfg.num_kv_heads, cfg.head_dim, model.dtype)
+            # More than every slot at full context can never be used; a small model
+            # would otherwise get a huge pool (and a huge block map in every trace).
+            num_blocks = min(num_blocks, ec.max_num_seqs * -(-cfg.max_position_embeddings // ec.block_size))
         self.kernels = attention_kernels(ec.attention)
         # The chapter components come through impl.load, so MINICB_IMPL=student
         # runs this very loop on the student's allocator and scheduler.

@@ -1,0 +1,231 @@
+"""The benchmark's metric functions on hand-made numbers, the bundled prompts, and one smoke run.
+
+The benchmark itself is not a test: these only check that what it reports is
+computed right. Hand-worked values are the oracle for the metrics; chapter 02's
+own counters are the oracle for the static-batch token count.
+"""
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from minicb import bench
+from minicb.data import load_chat_prompts
+from minicb.model import random_model
+from minicb.sampling import SamplingParams
+from minicb.static_batching import run_static
+from minicb.trace import SlotState, StepTrace
+from minicb.weights import save_checkpoint
+
+# ---- metrics -------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
+    assert bench.percentile(values, 0) == 1.0
+    assert bench.percentile(values, 100) == 4.0
+    assert bench.percentile(values, 50) == 2.5  # halfway between 2 and 3
+    assert bench.percentile(values, 99) == pytest.approx(3.97)  # rank 2.97: 3 + 0.97 * (4 - 3)
+    assert bench.percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError, match="empty"):
+        bench.percentile([], 50)
+    with pytest.raises(ValueError, match="q=101"):
+        bench.percentile(values, 101)
+
+
+def test_tpot_excludes_the_first_token():
+    # 10 tokens in 1.0 s, the first after 0.1 s: the other 9 took 0.9 s.
+    assert bench.tpot(latency=1.0, ttft=0.1, num_output_tokens=10) == pytest.approx(0.1)
+    assert bench.tpot(latency=1.0, ttft=1.0, num_output_tokens=1) is None
+
+
+def test_summarize_timings_by_hand():
+    timings = [bench.RequestTiming(arrival=0.0, first_token=0.5, finish=2.0, num_output_tokens=4),
+               bench.RequestTiming(arrival=1.0, first_token=1.5, finish=5.0, num_output_tokens=1)]
+    got = bench.summarize_timings(timings)
+    # Wall = last finish - first arrival = 5 s; 5 tokens, 2 requests.
+    assert got["wall_s"] == 5.0 and got["output_tokens"] == 5
+    assert got["output_tok_s"] == pytest.approx(1.0) and got["req_s"] == pytest.approx(0.4)
+    assert got["latency_mean_s"] == pytest.approx(3.0)  # latencies 2 and 4
+    assert got["latency_p50_s"] == pytest.approx(3.0)
+    assert got["ttft_mean_s"] == pytest.approx(0.5)
+    assert got["tpot_mean_s"] == pytest.approx(0.5)  # (2 - 0.5) / 3; the 1-token request has no TPOT
+
+
+def test_static_batch_tokens_by_hand():
+    # Prompts 3 and 5 padded to 5: prefill computes 2 * 5 = 10, of which 8 are real.
+    # Outputs 2 and 4 tokens: 3 decode steps of 2 rows = 6 computed; rows are live for 1 and 3.
+    assert bench.static_batch_tokens([3, 5], [2, 4]) == (16, 12)
+    assert bench.static_batch_tokens([7], [5]) == (11, 11)  # a batch of one wastes nothing
+
+
+def test_static_batch_tokens_matches_chapter_02_counters():
+    model = random_model()
+    prompts = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 2, 9)]
+    stats = run_static(model, prompts, params, batch_size=3).stats
+    got = bench.static_batch_tokens([len(p) for p in prompts], [5, 2, 9])
+    assert got == (stats.computed_tokens, stats.useful_tokens), \
+        f"formula gives (computed, useful) = {got}, run_static counted {(stats.computed_tokens, stats.useful_tokens)}"
+
+
+def test_waste_pct():
+    assert bench.waste_pct(reserved=100, used=25) == 75.0
+    assert bench.waste_pct(reserved=0, used=0) == 0.0
+    with pytest.raises(ValueError, match="used=5"):
+        bench.waste_pct(reserved=4, used=5)
+
+
+def _trace(step, slots, running, free, finished=(), preempted=()):
+    return StepTrace(step=step, slots=[SlotState(*s) for s in slots], running=list(running),
+                     finished=list(finished), preempted=list(preempted), num_blocks=10, num_free_blocks=free)
+
+
+def test_paged_kv_at_peak_by_hand():
+    # block_size 4. Step 0: A prefills 6 tokens (2 blocks), B prefills 3 (1 block): 3 blocks, 9 tokens.
+    # Step 1: both decode (7 and 4 tokens, still 3 blocks); B finishes and frees its block.
+    # Step 2: A decodes to 8 tokens; C prefills 9 (3 blocks): 5 blocks = 20 slots, 17 tokens. The peak.
+    # Step 3: C is preempted (its 3 blocks freed), A decodes to 9 tokens (3 blocks).
+    traces = [
+        _trace(0, [(0, "prefill", 6), (1, "prefill", 3)], running=[0, 1], free=7),
+        _trace(1, [(0, "decode", 1), (1, "decode", 1)], running=[0], free=8, finished=[(1, "stop")]),
+        _trace(2, [(0, "decode", 1), (2, "prefill", 9)], running=[0, 2], free=5),
+        _trace(3, [(0, "decode", 1), (None, "empty", 0)], running=[0], free=7, preempted=[2]),
+    ]
+    assert bench.paged_kv_at_peak(traces, block_size=4) == (20, 17)
+
+
+def test_first_difference_names_the_token():
+    assert bench.first_difference([1, 2, 3], [1, 9, 3]) == "first differs at token 1: expected 2, got 9"
+    assert "lengths 3 vs 2" in bench.first_difference([1, 2, 3], [1, 2])
+
+
+def test_run_workload_ratios_errors_and_agreement():
+    def fake(tokens_per_s, answers):
+        # Each request finishes `len(answer)` tokens at 1 / tokens_per_s per token, all from time 0.
+        def run(requests, arrivals, progress):
+            timings = [bench.RequestTiming(0.0, 1 / tokens_per_s, len(a) / tokens_per_s, len(a)) for a in answers]
+            return bench.EngineResult([list(a) for a in answers], timings, utilisation=1.0, kv_waste_pct=0.0)
+        return run
+
+    def broken(requests, arrivals, progress):
+        raise RuntimeError("no such kernel")
+
+    requests = [bench.Request([5, 6], max_tokens=4), bench.Request([7], max_tokens=4)]
+    rows = bench.run_workload({"minicb-static": fake(10, [[1, 2], [3, 4]]),
+                               "minicb-continuous": fake(30, [[1, 2], [3, 9]]),
+                               "hf-generate": broken}, requests, None)
+    assert rows["hf-generate"] == {"error": "RuntimeError: no such kernel"}
+    assert rows["minicb-continuous"]["speedup_vs_minicb-static"] == pytest.approx(3.0)
+    assert rows["minicb-continuous"]["speedup_vs_hf-generate"] is None  # the baseline failed
+    assert rows["minicb-static"]["same_as_continuous"] == 1  # the second answers differ
+    table = bench.markdown_table(rows, num_requests=2)
+    assert "| hf-generate | error: RuntimeError: no such kernel |" in table
+    assert "| 1/2 |" in table and "| 3.00x |" in table
+    assert len({line.count("|") for line in table.splitlines()}) == 1, "every row needs the same number of cells"
+
+
+def test_correctness_guard_reports_the_first_differing_token(monkeypatch):
+    model = random_model()
+    requests = [bench.Request([10 + i, 20, 30], max_tokens=4, ignore_eos=True) for i in range(3)]
+    assert bench.check_minicb_agrees(model, requests, slots=2, block_size=4, attention="torch") == []
+
+    real_run_static = bench.run_static
+
+    def off_by_one(*args, **kwargs):  # a static batcher that gets prompt 1's third token wrong
+        result = real_run_static(*args, **kwargs)
+        result.generations[1].token_ids[2] += 1
+        return result
+
+    monkeypatch.setattr(bench, "run_static", off_by_one)
+    problems = bench.check_minicb_agrees(model, requests, slots=2, block_size=4, attention="torch")
+    assert len(problems) == 1 and problems[0].startswith("minicb-static, prompt 1: first differs at token 2"), problems
+
+
+# ---- workloads -----------------------------------------------------------------------
+
+
+def test_bundled_chat_prompts():
+    prompts = load_chat_prompts()
+    assert len(prompts) >= 100
+    assert all(isinstance(p, str) and p.strip() for p in prompts), "every prompt must be a non-empty string"
+    duplicates = sorted({p for p in prompts if prompts.count(p) > 1})
+    assert not duplicates, f"duplicate prompts: {duplicates[:3]}"
+    assert load_chat_prompts(5) == prompts[:5]
+    for bad in (0, len(prompts) + 1, True, 2.0):
+        with pytest.raises(ValueError, match=f"got {bad!r}"):
+            load_chat_prompts(bad)
+
+
+def test_random_requests_are_seeded_and_bounded():
+    a = bench.random_requests(vocab_size=256, num_prompts=50, max_tokens=40, max_prompt_len=30, seed=3)
+    b = bench.random_requests(vocab_size=256, num_prompts=50, max_tokens=40, max_prompt_len=30, seed=3)
+    assert a == b
+    assert all(8 <= len(r.prompt_ids) <= 30 and all(100 <= t < 256 for t in r.prompt_ids) for r in a)
+    assert all(1 <= r.max_tokens <= 40 and r.ignore_eos for r in a)
+    assert len({r.max_tokens for r in a}) > 5, "output lengths should vary"
+
+
+def test_poisson_arrivals():
+    times = bench.poisson_arrivals(2000, rate=4.0, seed=0)
+    assert times[0] == 0.0 and times == sorted(times)
+    mean_gap = times[-1] / (len(times) - 1)
+    assert math.isclose(mean_gap, 0.25, rel_tol=0.1), f"mean gap {mean_gap:.3f} s; expected about 1 / rate = 0.25 s"
+    with pytest.raises(ValueError, match="rate=0"):
+        bench.poisson_arrivals(3, rate=0, seed=0)
+
+
+def test_serve_in_batches_only_batches_arrived_requests():
+    # A fake engine: every request gets len(prompt) tokens, one forward per 0.01 s.
+    batches = []
+
+    def run_batch(batch):
+        batches.append([r.prompt_ids[0] for r in batch])
+        n = max(len(r.prompt_ids) for r in batch)
+        stamps = []
+        for _ in range(n):
+            time.sleep(0.01)
+            stamps.append(time.perf_counter())
+        return [[7] * len(r.prompt_ids) for r in batch], stamps, 8 * len(batch)
+
+    requests = [bench.Request([i] * (i + 1), max_tokens=8) for i in range(4)]
+    result = bench.serve_in_batches(run_batch, requests, arrivals=[0.0, 0.0, 0.0, 0.3], batch_size=2,
+                                    desc="fake", progress=False)
+    # The first batch takes two of the three that arrived at 0; request 3 arrives long after.
+    assert batches == [[0, 1], [2], [3]], f"batches formed: {batches}"
+    assert [len(t) for t in result.token_ids] == [1, 2, 3, 4]
+    late = result.timings[3]
+    assert late.arrival == 0.3 and late.first_token >= 0.3 and late.finish > late.first_token
+    # Request 0 (1 token) finished at the first forward; request 1 (2 tokens) one forward later.
+    assert result.timings[0].finish == result.timings[0].first_token < result.timings[1].finish
+
+
+# ---- one smoke run of the whole command ----------------------------------------------
+
+
+def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
+    model = random_model()
+    save_checkpoint(tmp_path / "tiny", model.config, model.state_dict())
+    out = tmp_path / "bench" / "bench.json"
+    threads = torch.get_num_threads()
+    try:
+        # Poisson arrivals take every engine through its arrival-handling path; the
+        # tiny model has no tokenizer, so the prompts are random token ids with EOS ignored.
+        code = bench.main(["--model", str(tmp_path / "tiny"), "--device", device, "--workload", "poisson",
+                           "--num-prompts", "3", "--max-tokens", "5", "--slots", "2", "--hf-batch", "2",
+                           "--rate", "50", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = report["workloads"]["poisson"]["engines"]
+    for engine in bench.ENGINES:
+        assert "error" not in rows[engine], f"{engine}: {rows[engine].get('error')}"
+        assert rows[engine]["requests"] == 3 and rows[engine]["output_tok_s"] > 0
+    # Same weights, same greedy decoding, same ignore_eos: minicb's engines agree exactly.
+    assert rows["minicb-naive"]["same_as_continuous"] == rows["minicb-static"]["same_as_continuous"] == 3
+    assert report["meta"]["threads"] == 1
+    assert "| minicb-continuous |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
