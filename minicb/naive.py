@@ -134,7 +134,7 @@ def generate_with_cache(model: Model, prompt_ids: list[int], params: SamplingPar
         token = sample(logits[:, -1], [params], [generator])[0]
         out.append(token)
         reason = finish_reason(token, len(out), params, cfg.eos_token_ids)
-        if reason is None and cache.seq_len >= max_len:
+        if reason is None and len(prompt_ids) + len(out) >= cfg.max_position_embeddings:
             reason = "length"  # the context is full
         if reason:
             return Generation(out, reason)
