@@ -20,6 +20,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     from minicb import LLM, SamplingParams
 
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty; give some text to answer")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
@@ -43,7 +45,7 @@ def cmd_generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minicb", description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m minicb", description="minicb: learn LLM serving by building it.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = ap.add_subparsers(dest="command", metavar="{generate,demo,bench,check}")
 
