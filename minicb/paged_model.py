@@ -85,10 +85,13 @@ class PagedAttention:
         self.k_caches, self.v_caches = k_caches, v_caches  # per layer [num_blocks, block_size, n_kv, hd]
         self.meta = metadata
         self.kernels = kernels
-        # The torch prefill is the reference for ragged prefill; a backend without
-        # its own prefill kernel (the Triton one may have only decode) uses it.
-        torch_kernels = impl.load("paged_attention") if kernels.__name__.endswith("triton_attention") else kernels
-        self.prefill = getattr(kernels, "paged_prefill_attention", None) or torch_kernels.paged_prefill_attention
+        # Ragged prefill: the backend's own, except under the Triton interpreter
+        # (CPU), where running a whole prompt through Python-level kernel programs
+        # takes minutes; there chapter 04's PyTorch prefill does it, and Triton keeps
+        # store_kv and decode, the kernels chapter 05 is about.
+        self.prefill = kernels.paged_prefill_attention
+        if getattr(kernels, "INTERPRETED", False):
+            self.prefill = impl.load("paged_attention").paged_prefill_attention
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [1, N, n_heads, hd]; k, v [1, N, n_kv_heads, hd]
