@@ -138,12 +138,13 @@ def test_smollm2_32_prompts_equal_chapter01_with_and_without_preemption(smollm2)
     model, tok, prompts = smollm2
     params = SamplingParams(max_tokens=32)
     want = [generate_with_cache(model, p, params).token_ids for p in prompts]
-    # Enough blocks for everyone, then so few that sequences keep getting preempted.
-    need = max(-(-(len(p) + 32) // 16) for p in prompts)
-    for num_blocks, min_preemptions in ((None, 0), (need + 2, 20)):
-        llm = LLM.from_model(model, tok, max_num_seqs=8, num_blocks=num_blocks)
+    # Enough blocks for everyone, then (with 4-token blocks, so sequences need new
+    # blocks often) so few that sequences keep getting preempted.
+    need = max(-(-(len(p) + 32) // 4) for p in prompts)
+    for block_size, num_blocks, min_preemptions in ((16, None, 0), (4, need + 6, 20)):
+        llm = LLM.from_model(model, tok, max_num_seqs=8, num_blocks=num_blocks, block_size=block_size)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        preemptions = sum(len(t.preempted) for t in llm.traces)
-        assert preemptions >= min_preemptions, f"num_blocks={num_blocks}: only {preemptions} preemptions"
         for i, (o, w) in enumerate(zip(outs, want)):
             assert o.token_ids == w, f"num_blocks={num_blocks}, prompt {i}: {first_difference(o.token_ids, w)}"
+        preemptions = sum(len(t.preempted) for t in llm.traces)
+        assert preemptions >= min_preemptions, f"num_blocks={num_blocks}: only {preemptions} preemptions"
