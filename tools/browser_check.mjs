@@ -51,47 +51,59 @@ const page = await browser.newPage({ viewport: { width: 1500, height: 1100 } });
 let exitCode = 0;
 
 try {
-  // ---- 1. open the notebook and run everything -------------------------------------------
-  const address = `${options.url}/lab/tree/${options.notebook}?token=${options.token}`;
-  log(`opening ${options.url}/lab/tree/${options.notebook}`);
-  await page.goto(address, { waitUntil: 'domcontentloaded', timeout: 120_000 });
+  // ---- 1. start the kernel, open the notebook, run everything -----------------------------
+  // The kernel is started through the server's REST API before the page opens, and
+  // Lab connects to that session. Left to itself on a slow machine, Lab may start
+  // a kernel, replace it, and drop a run request sent in between.
+  const api = async (method, path, body) => {
+    const response = await fetch(`${options.url}${path}`, {
+      method, body: body && JSON.stringify(body),
+      headers: { Authorization: `token ${options.token}`, 'Content-Type': 'application/json' },
+    });
+    if (!response.ok) fail(`${method} ${path} answered HTTP ${response.status}: ${await response.text()}`);
+    return response.json();
+  };
+  const session = await api('POST', '/api/sessions', {
+    path: options.notebook, name: options.notebook.split('/').pop(), type: 'notebook', kernel: { name: 'python3' },
+  });
+  const kernelState = async () => (await api('GET', `/api/kernels/${session.kernel.id}`)).execution_state;
+  log(`started kernel ${session.kernel.id}; opening ${options.notebook}`);
+  await page.goto(`${options.url}/lab/tree/${options.notebook}?token=${options.token}`,
+                  { waitUntil: 'domcontentloaded', timeout: 120_000 });
   await page.locator('.jp-NotebookPanel .jp-CodeCell').first()
     .waitFor({ timeout: 120_000 })
     .catch(() => fail(`the notebook ${options.notebook} did not open in JupyterLab within 120 s`));
-  // A kernel that is still starting would drop the run request: wait for it to be idle.
-  await page.locator('.jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status="idle"]')
-    .waitFor({ timeout: 120_000 })
-    .catch(() => fail('the notebook kernel did not become idle within 120 s of opening'));
+  // The kernel answers Lab's first requests only once it is up: wait for Idle on both sides.
+  await page.getByText(/\| Idle$/).first().waitFor({ timeout: 120_000 })
+    .catch(() => fail('JupyterLab did not show its kernel as Idle within 120 s of opening the notebook'));
+  for (const began = Date.now(); (await kernelState()) !== 'idle';) {
+    if (Date.now() - began > 60_000) fail(`the kernel is still ${await kernelState()} 60 s after Lab showed Idle`);
+    await page.waitForTimeout(500);
+  }
 
-  // Run > Run All Cells. A request sent while the kernel is still connecting is
-  // dropped without a word, so ask again until some cell starts (shows [*] or [n]).
-  const codePrompts = page.locator('.jp-NotebookPanel .jp-CodeCell .jp-InputPrompt');
+  // A prompt reads "[ ]:" before a cell runs, "[*]:" while it runs or waits, "[7]:" after.
+  // textContent, not innerText: the browser may skip laying out cells off screen.
+  const prompts = () => page.locator('.jp-NotebookPanel .jp-CodeCell .jp-InputPrompt').allTextContents();
+  const anyStarted = async () => (await prompts()).some((text) => /\[(\*|\d+)\]/.test(text))
+                                 || (await kernelState()) === 'busy';
   for (let attempt = 1; ; attempt++) {
     await page.locator('.lm-MenuBar-itemLabel', { hasText: /^Run$/ }).click();
     await page.locator('.lm-Menu-itemLabel', { hasText: /^Run All Cells$/ }).click();
     const began = Date.now();
-    while (Date.now() - began < 20_000
-           && !(await codePrompts.allInnerTexts()).some((text) => /\[(\*|\d+)\]/.test(text))) {
-      await page.waitForTimeout(500);
-    }
-    if ((await codePrompts.allInnerTexts()).some((text) => /\[(\*|\d+)\]/.test(text))) break;
-    if (attempt === 3) fail('Run All Cells started no cell, three times in 60 s: is the kernel connected?');
+    while (Date.now() - began < 20_000 && !(await anyStarted())) await page.waitForTimeout(500);
+    if (await anyStarted()) break;
+    if (attempt === 3) fail('Run > Run All Cells started no cell, three times in 60 s: is the kernel connected?');
     log('no cell started yet; asking again');
   }
   log(`running all cells (up to ${options.timeout} s)`);
 
   // ---- 2. wait until every code cell has an execution count ------------------------------
-  // A prompt reads "[ ]:" before a cell runs, "[*]:" while it runs or waits, "[7]:" after.
   const started = Date.now();
   for (;;) {
-    // Should Lab still ask which kernel to start, take the one it proposes (the notebook's own).
-    const kernelDialog = page.locator('.jp-Dialog', { hasText: 'Select Kernel' });
-    if (await kernelDialog.count()) await kernelDialog.locator('.jp-Dialog-button.jp-mod-accept').click();
-    const prompts = await page.locator('.jp-NotebookPanel .jp-CodeCell .jp-InputPrompt').allInnerTexts();
-    const done = prompts.filter((text) => /\[\d+\]/.test(text)).length;
-    const busy = await page.locator('.jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status="busy"]').count();
-    if (prompts.length > 0 && done === prompts.length && busy === 0) {
-      log(`all ${prompts.length} code cells ran in ${((Date.now() - started) / 1000).toFixed(0)} s`);
+    const texts = await prompts();
+    const done = texts.filter((text) => /\[\d+\]/.test(text)).length;
+    if (texts.length > 0 && done === texts.length && (await kernelState()) === 'idle') {
+      log(`all ${texts.length} code cells ran in ${((Date.now() - started) / 1000).toFixed(0)} s`);
       break;
     }
     const traceback = page.locator('.jp-OutputArea-output', { hasText: 'Traceback (most recent call last)' });
@@ -99,7 +111,7 @@ try {
       fail(`a cell raised an exception:\n${(await traceback.first().innerText()).slice(0, 2000)}`);
     }
     if (Date.now() - started > runTimeoutMs) {
-      fail(`the notebook did not finish within ${options.timeout} s: ${done} of ${prompts.length} code cells ran`);
+      fail(`the notebook did not finish within ${options.timeout} s: ${done} of ${texts.length} code cells ran`);
     }
     await page.waitForTimeout(1000);
   }
@@ -200,9 +212,10 @@ try {
   if (loading) fail(`the page still shows "Loading widget..." ${loading} time(s) after the run`);
 
   // The whole notebook in one picture: a viewport tall enough for every cell.
-  const height = await page.locator('.jp-NotebookPanel .jp-WindowedPanel-inner, .jp-NotebookPanel .jp-Notebook')
-    .first().evaluate((element) => element.scrollHeight).catch(() => 4000);
+  const height = await page.locator('.jp-NotebookPanel .jp-Notebook, .jp-NotebookPanel .jp-Notebook *')
+    .evaluateAll((elements) => Math.max(...elements.map((element) => element.scrollHeight)));
   await page.setViewportSize({ width: 1500, height: Math.min(Math.max(height + 200, 1100), 16000) });
+  await page.locator('.jp-NotebookPanel .jp-Cell').first().scrollIntoViewIfNeeded();
   await page.waitForTimeout(1500);
   await page.screenshot({ path: shot('06-notebook.png') });
   log(`PASS: the step player renders and follows its slider; screenshots in ${options.out}/`);

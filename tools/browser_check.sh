@@ -53,11 +53,11 @@ fi
 # ---- JupyterLab --------------------------------------------------------------------------
 mkdir -p build/screenshots
 rm -f build/screenshots/06-*.png
-# Lab's own settings for this run only: never save the notebook, start its kernel
-# without asking, and fetch no news from the internet.
+# Lab's own settings for this run only: never save the notebook, keep every cell
+# in the page (so the check sees them all), and fetch no news from the internet.
 settings() { mkdir -p "$SCRATCH/settings/$1"; echo "$3" >"$SCRATCH/settings/$1/$2.jupyterlab-settings"; }
 settings @jupyterlab/docmanager-extension plugin '{ "autosave": false }'
-settings @jupyterlab/notebook-extension tracker '{ "autoStartDefaultKernel": true }'
+settings @jupyterlab/notebook-extension tracker '{ "windowingMode": "none" }'
 settings @jupyterlab/apputils-extension notification '{ "fetchNews": "false" }'
 cp "$NOTEBOOK" "$SCRATCH/notebook-before.ipynb"
 PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
@@ -86,6 +86,12 @@ stop_lab() {
 trap stop_lab EXIT
 trap 'exit 130' INT TERM
 
+# The kernel and the browser share this machine: leave the browser a core, or on a
+# small machine torch's threads and Chromium slow each other down many times over.
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+    CORES="$(nproc)"
+    export OMP_NUM_THREADS="$(( CORES > 2 ? CORES - 1 : 1 ))"
+fi
 ROOT_FLAG=()
 [ "$(id -u)" -ne 0 ] || ROOT_FLAG=(--allow-root)  # containers and CI often run as root
 say "starting JupyterLab on 127.0.0.1:$PORT (log: $LOG)"
