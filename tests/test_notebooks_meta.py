@@ -49,7 +49,8 @@ def test_stored_without_outputs(path):
              if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)]
     assert not dirty, (f"{path.name} was saved after running; clear outputs before committing "
                        f"(Jupyter: Edit > Clear Outputs of All Cells). Dirty cells: {dirty}")
-    assert "widgets" not in nb.metadata, f"{path.name} stores widget state in its metadata; clear it before committing"
+    has_widget_state = "widgets" in nb.metadata
+    assert not has_widget_state, f"{path.name} stores widget state in its metadata; clear it before committing"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

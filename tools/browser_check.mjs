@@ -99,25 +99,22 @@ try {
 
   // ---- 2. wait until every code cell has an execution count ------------------------------
   const started = Date.now();
+  const traceback = page.locator('.jp-OutputArea-output', { hasText: 'Traceback (most recent call last)' });
   for (;;) {
     const texts = await prompts();
     const done = texts.filter((text) => /\[\d+\]/.test(text)).length;
-    if (texts.length > 0 && done === texts.length && (await kernelState()) === 'idle') {
-      log(`all ${texts.length} code cells ran in ${((Date.now() - started) / 1000).toFixed(0)} s`);
-      break;
-    }
-    const traceback = page.locator('.jp-OutputArea-output', { hasText: 'Traceback (most recent call last)' });
+    const finished = texts.length > 0 && done === texts.length && (await kernelState()) === 'idle';
     if (await traceback.count()) {
       fail(`a cell raised an exception:\n${(await traceback.first().innerText()).slice(0, 2000)}`);
+    }
+    if (finished) {
+      log(`all ${texts.length} code cells ran in ${((Date.now() - started) / 1000).toFixed(0)} s`);
+      break;
     }
     if (Date.now() - started > runTimeoutMs) {
       fail(`the notebook did not finish within ${options.timeout} s: ${done} of ${texts.length} code cells ran`);
     }
     await page.waitForTimeout(1000);
-  }
-  const traceback = page.locator('.jp-OutputArea-output', { hasText: 'Traceback (most recent call last)' });
-  if (await traceback.count()) {
-    fail(`a cell raised an exception:\n${(await traceback.first().innerText()).slice(0, 2000)}`);
   }
 
   // ---- 3. the player and its pictures ------------------------------------------------------

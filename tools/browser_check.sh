@@ -21,7 +21,6 @@ VENV="${VENV:-.venv}"
 PY="$VENV/bin/python"
 NOTEBOOK="${BROWSER_CHECK_NOTEBOOK:-notebooks/06-continuous-batching.ipynb}"  # another for debugging the check
 RUN_TIMEOUT="${BROWSER_CHECK_TIMEOUT:-420}"  # seconds for the notebook to run in the browser
-SCRATCH="$(mktemp -d)"
 LOG="build/browser-check-jupyter.log"
 
 say() { echo "[browser-check] $*"; }
@@ -51,19 +50,6 @@ if [ ! -f tools/node_modules/playwright-core/package.json ]; then
 fi
 
 # ---- JupyterLab --------------------------------------------------------------------------
-mkdir -p build/screenshots
-rm -f build/screenshots/06-*.png
-# Lab's own settings for this run only: never save the notebook, keep every cell
-# in the page (so the check sees them all), and fetch no news from the internet.
-settings() { mkdir -p "$SCRATCH/settings/$1"; echo "$3" >"$SCRATCH/settings/$1/$2.jupyterlab-settings"; }
-settings @jupyterlab/docmanager-extension plugin '{ "autosave": false }'
-settings @jupyterlab/notebook-extension tracker '{ "windowingMode": "none" }'
-settings @jupyterlab/apputils-extension notification '{ "fetchNews": "false" }'
-cp "$NOTEBOOK" "$SCRATCH/notebook-before.ipynb"
-PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-TOKEN="$("$PY" -c 'import secrets; print(secrets.token_hex(24))')"
-LAB_PID=""
-
 stop_lab() {
     status=$?
     if [ -n "$LAB_PID" ] && kill -0 "$LAB_PID" 2>/dev/null; then
@@ -75,7 +61,7 @@ stop_lab() {
         say "JupyterLab stopped"
     fi
     # Belt and braces: the repository's notebook must leave exactly as it came.
-    if ! cmp -s "$NOTEBOOK" "$SCRATCH/notebook-before.ipynb"; then
+    if [ -f "$SCRATCH/notebook-before.ipynb" ] && ! cmp -s "$NOTEBOOK" "$SCRATCH/notebook-before.ipynb"; then
         cp "$SCRATCH/notebook-before.ipynb" "$NOTEBOOK"
         echo "[browser-check] FAIL: JupyterLab saved $NOTEBOOK during the check; restored it" >&2
         status=1
@@ -83,8 +69,22 @@ stop_lab() {
     rm -rf "$SCRATCH"
     exit "$status"
 }
+SCRATCH="$(mktemp -d)"  # Lab's settings and workspace, a copy of the notebook; removed on exit
+LAB_PID=""
 trap stop_lab EXIT
 trap 'exit 130' INT TERM
+
+mkdir -p build/screenshots
+rm -f build/screenshots/06-*.png
+cp "$NOTEBOOK" "$SCRATCH/notebook-before.ipynb"
+# Lab's own settings for this run only: never save the notebook, keep every cell
+# in the page (so the check sees them all), and fetch no news from the internet.
+settings() { mkdir -p "$SCRATCH/settings/$1"; echo "$3" >"$SCRATCH/settings/$1/$2.jupyterlab-settings"; }
+settings @jupyterlab/docmanager-extension plugin '{ "autosave": false }'
+settings @jupyterlab/notebook-extension tracker '{ "windowingMode": "none" }'
+settings @jupyterlab/apputils-extension notification '{ "fetchNews": "false" }'
+PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+TOKEN="$("$PY" -c 'import secrets; print(secrets.token_hex(24))')"
 
 # The kernel and the browser share this machine: leave the browser a core, or on a
 # small machine torch's threads and Chromium slow each other down many times over.
