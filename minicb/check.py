@@ -12,9 +12,10 @@ The exit code is 0 only when every test ran and passed (tests that skip
 themselves, such as GPU-only ones on a laptop, are not failures).
 
 How it works: the tests run in a fresh `python -m pytest` with
-MINICB_IMPL=student (or MINICB_IMPL_FILE=PATH), so `minicb.impl.load()` hands
-them your module, and with this file loaded as a pytest plugin (`-p
-minicb.check`). The plugin reads each test's `@pytest.mark.task(k)` marker and
+MINICB_IMPL=student (or MINICB_IMPL_FILE=PATH) and MINICB_IMPL_ONLY naming
+the chapter's module, so `minicb.impl.load()` hands them your module for this
+chapter and the reference for every other one; and with this file loaded as a
+pytest plugin (`-p minicb.check`). The plugin reads each test's `@pytest.mark.task(k)` marker and
 writes every result to a JSON file that the parent reads back. A subprocess
 keeps your module, and anything it breaks, out of the grader's own process.
 """
@@ -133,6 +134,9 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
     # A MINICB_IMPL_FILE left over in the caller's shell would silently win over
     # the file we were asked to grade; impl.load() checks it first.
     env.pop("MINICB_IMPL_FILE", None)
+    # Only this chapter's module is swapped; the engine around it stays the
+    # reference, so unfinished earlier (or later) chapters cannot fail this grade.
+    env["MINICB_IMPL_ONLY"] = module
     if exercise_file is not None:
         exercise_file = os.path.abspath(exercise_file)  # the child runs from the repository root
         if not os.path.isfile(exercise_file):

@@ -10,6 +10,11 @@ and get:
   has `MINICB_IMPL=student` (or pytest runs with `--impl student`);
 - any other file with `MINICB_IMPL_FILE=path/to/file.py` (used by
   `python -m minicb check N --file ...`, e.g. to grade a submission).
+
+`MINICB_IMPL_ONLY=scheduler` narrows either switch to one chapter module and
+keeps the reference for the rest. `check N` sets it, so grading chapter 06 runs
+the student's scheduler on the reference block allocator and attention: one
+chapter's stubs never fail another chapter's grade.
 """
 from __future__ import annotations
 
@@ -72,6 +77,11 @@ def load(module: str) -> ModuleType:
     """The implementation of chapter `module` the tests should exercise."""
     if module not in CHAPTERS:
         raise ValueError(f"unknown chapter module {module!r}; known: {sorted(CHAPTERS)}")
+    only = os.environ.get("MINICB_IMPL_ONLY")
+    if only and only not in CHAPTERS:
+        raise ValueError(f"MINICB_IMPL_ONLY={only!r} is not a chapter module; known: {sorted(CHAPTERS)}")
+    if only and module != only:
+        return importlib.import_module(f"minicb.{module}")
     override = os.environ.get("MINICB_IMPL_FILE")
     if override:
         return load_file(override, f"minicb_student_{module}")

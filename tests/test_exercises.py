@@ -22,6 +22,7 @@ import ast
 import functools
 import importlib
 import inspect
+import pathlib
 import re
 import shutil
 
@@ -190,7 +191,7 @@ def test_check_command_exit_codes(tmp_path, monkeypatch, capsys):
     table = capsys.readouterr().out
     assert "FAIL" in table and "NotImplementedError: Chapter 3, task 1" in table, table
 
-    # Against a copy of the reference: exit 0. The 10,000 random sequences are
+    # Against a copy of the reference: exit 0. The random operation sequences are
     # left out (-k) to keep this fast; test_ch03 runs them on the reference.
     copy = tmp_path / "submission.py"
     shutil.copy(impl.ROOT / "minicb" / "block_allocator.py", copy)
@@ -202,3 +203,16 @@ def test_check_command_exit_codes(tmp_path, monkeypatch, capsys):
     assert check.main(["99"]) == 2
     assert "chapter 99" in capsys.readouterr().err
     assert check.main(["3", "--file", str(tmp_path / "missing.py")]) == 2
+
+
+def test_impl_only_swaps_the_graded_chapter(monkeypatch):
+    # `check 6` grades the student's scheduler inside the reference engine: with
+    # MINICB_IMPL_ONLY=scheduler, chapter 03's stubs must not be loaded for the allocator.
+    monkeypatch.setenv("MINICB_IMPL", "student")
+    monkeypatch.setenv("MINICB_IMPL_ONLY", "scheduler")
+    assert impl.load("block_allocator") is importlib.import_module("minicb.block_allocator")
+    student = impl.load("scheduler")
+    assert pathlib.Path(student.__file__) == impl.exercise_path("scheduler"), student.__file__
+    monkeypatch.setenv("MINICB_IMPL_ONLY", "sheduler")
+    with pytest.raises(ValueError, match="MINICB_IMPL_ONLY='sheduler'"):
+        impl.load("scheduler")
