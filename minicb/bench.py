@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from minicb.llm import LLM
-from minicb.naive import generate_with_cache
+from minicb.naive import first_difference, generate_with_cache
 from minicb.sampling import SamplingParams
 from minicb.static_batching import run_static
 from minicb.viz import summarize
@@ -168,14 +168,6 @@ def paged_kv_at_peak(traces, block_size: int) -> tuple[int, int]:
         if reserved > peak[0]:
             peak = (reserved, sum(cached[r] for r in trace.running if r in cached))
     return peak
-
-
-def first_difference(expected: list[int], got: list[int]) -> str:
-    """Where two token lists part ways, for messages a person can act on."""
-    for i, (a, b) in enumerate(zip(expected, got)):
-        if a != b:
-            return f"first differs at token {i}: expected {a}, got {b}"
-    return f"same first {min(len(expected), len(got))} tokens, lengths {len(expected)} vs {len(got)}"
 
 
 # ----------------------------------------------------------------------------
@@ -444,7 +436,7 @@ def check_minicb_agrees(model, requests: list[Request], slots: int, block_size: 
     llm = LLM.from_model(model, None, max_num_seqs=slots, attention=attention, block_size=block_size,
                          num_blocks=kv_blocks_for(few, slots, block_size))
     continuous = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    return [f"{name}, prompt {i}: {first_difference(expected, got)}"
+    return [f"{name}, prompt {i}: {first_difference(got, expected, (name, 'naive'))}"
             for name, outs in (("minicb-static", static), ("minicb-continuous", continuous))
             for i, (expected, got) in enumerate(zip(naive, outs)) if expected != got]
 
@@ -553,7 +545,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=256, help="new tokens at most per request")
-    ap.add_argument("--slots", type=int, default=16, help="minicb static batch size and continuous max_num_seqs")
+    ap.add_argument("--slots", type=int, default=32, help="minicb static batch size and continuous max_num_seqs")
     ap.add_argument("--hf-batch", type=int, default=16, help="batch size of hf-generate")
     ap.add_argument("--block-size", type=int, default=16, help="KV block size (minicb) and page size (HF)")
     ap.add_argument("--attention", default="torch", choices=["torch", "triton"])

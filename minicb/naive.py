@@ -41,6 +41,23 @@ def check_prompt(prompt_ids: list[int], max_context: int) -> None:
                          f"it must be shorter than that so at least one token can be generated")
 
 
+def first_difference(got: list[int], want: list[int], names: tuple[str, str] = ("got", "want")) -> str:
+    """Where two token lists part ways, in words a failing test or benchmark can print.
+
+    Every later chapter is checked against this chapter's tokens, so the
+    message names the first token that differs (and shows short lists whole).
+    """
+    a, b = names
+    where = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)
+    if where is None:
+        text = f"same first {min(len(got), len(want))} tokens, then lengths differ: {a} {len(got)}, {b} {len(want)}"
+    else:
+        text = f"first difference at token {where}: {a} {got[where]}, {b} {want[where]}"
+    if len(got) <= 40 and len(want) <= 40:
+        text += f"\n  {a:>8} {got}\n  {b:>8} {want}"
+    return text
+
+
 # ----------------------------------------------------------------------------
 # Version 1: no cache. Every step runs the model over the whole sequence.
 
@@ -149,7 +166,7 @@ def generate_with_cache(model: Model, prompt_ids: list[int], params: SamplingPar
 # Benchmark: time per generated token against sequence length.
 
 
-def _step_times(model: Model, lengths: list[int]) -> dict[str, list[float]]:
+def step_times(model: Model, lengths: list[int]) -> dict[str, list[float]]:
     """Seconds for the step that produces token number L, for each L, with and without a cache."""
     import time
 
@@ -187,8 +204,8 @@ if __name__ == "__main__":
     args = ap.parse_args()
     model = load_model(args.model, device=args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
-    _step_times(model, lengths[:2])  # warm-up
-    res = _step_times(model, lengths)
+    step_times(model, lengths[:2])  # warm-up
+    res = step_times(model, lengths)
     print(f"{'seq len':>8} | {'no cache (ms)':>13} | {'kv cache (ms)':>13} | ratio")
     for i, L in enumerate(lengths):
         a, b = res["no cache"][i] * 1e3, res["kv cache"][i] * 1e3

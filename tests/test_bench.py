@@ -14,6 +14,7 @@ import torch
 from minicb import bench
 from minicb.data import load_chat_prompts
 from minicb.model import random_model
+from minicb.naive import first_difference
 from minicb.sampling import SamplingParams
 from minicb.static_batching import run_static
 from minicb.trace import SlotState, StepTrace
@@ -98,8 +99,11 @@ def test_paged_kv_at_peak_by_hand():
 
 
 def test_first_difference_names_the_token():
-    assert bench.first_difference([1, 2, 3], [1, 9, 3]) == "first differs at token 1: expected 2, got 9"
-    assert "lengths 3 vs 2" in bench.first_difference([1, 2, 3], [1, 2])
+    # The message every engine comparison prints (minicb/naive.py, shared by tests and the bench).
+    text = first_difference([1, 9, 3], [1, 2, 3], ("static", "naive"))
+    assert text.startswith("first difference at token 1: static 9, naive 2"), text
+    assert "then lengths differ: got 3, want 2" in first_difference([1, 2, 3], [1, 2])
+    assert "\n" not in first_difference(list(range(50)), list(range(49)))  # long lists are not printed whole
 
 
 def test_run_workload_ratios_errors_and_agreement():
@@ -141,7 +145,8 @@ def test_correctness_guard_reports_the_first_differing_token(monkeypatch):
 
     monkeypatch.setattr(bench, "run_static", off_by_one)
     problems = bench.check_minicb_agrees(model, requests, slots=2, block_size=4, attention="torch")
-    assert len(problems) == 1 and problems[0].startswith("minicb-static, prompt 1: first differs at token 2"), problems
+    assert len(problems) == 1 and problems[0].startswith(
+        "minicb-static, prompt 1: first difference at token 2: minicb-static"), problems
 
 
 # ---- workloads -----------------------------------------------------------------------

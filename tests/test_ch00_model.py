@@ -13,6 +13,7 @@ import torch
 
 from minicb import weights
 from minicb.model import DenseAttention, Model, ModelConfig, random_model, tiny_config
+from minicb.naive import first_difference
 
 
 def our_logits(model: Model, ids: list[int]) -> torch.Tensor:
@@ -27,13 +28,6 @@ def greedy(forward, ids: list[int], n: int) -> list[int]:
         out.append(int(forward(ids)[-1].argmax()))
         ids.append(out[-1])
     return out
-
-
-def first_difference(a: list[int], b: list[int]) -> str:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return f"first difference at token {i}: ours {x}, HF {y}"
-    return f"lengths differ: {len(a)} vs {len(b)}"
 
 
 def hf_model(path, **kwargs):
@@ -62,7 +56,7 @@ def test_tiny_model_matches_hf(tmp_path, arch, device):
     diff = (a - b).abs().max().item()
     assert diff <= 1e-4, f"{arch}: max |logit difference| {diff:.2e} > 1e-4"
     ta, tb = greedy(lambda x: our_logits(ours, x), ids[:5], 20), greedy(hf_forward(hf), ids[:5], 20)
-    assert ta == tb, f"{arch}: {first_difference(ta, tb)}"
+    assert ta == tb, f"{arch}: {first_difference(ta, tb, ('ours', 'HF'))}"
 
 
 @pytest.mark.slow
@@ -81,7 +75,7 @@ def test_smollm2_matches_hf_reading_the_gguf_itself(device):
         diff = (a - b).abs().max().item()
         assert diff <= 1e-3, f"{q!r}: max |logit difference| {diff:.2e}"
         ta, tb = greedy(lambda x: our_logits(ours, x), ids, 20), greedy(hf_forward(hf), ids, 20)
-        assert ta == tb, f"{q!r}: {first_difference(ta, tb)}"
+        assert ta == tb, f"{q!r}: {first_difference(ta, tb, ('ours', 'HF'))}"
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import torch
 
 from minicb import impl
 from minicb.model import DenseAttention, random_model, tiny_config
+from minicb.naive import first_difference
 from minicb.sampling import SamplingParams, make_generator, sample
 
 naive = impl.load("naive")
@@ -55,13 +56,6 @@ def oracle_tokens(model, prompt, n, params=None):
         out.append(sample(logits_no_cache(model, ids)[-1:], [params], [generator])[0])
         ids.append(out[-1])
     return out
-
-
-def first_difference(got, want):
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            return f"first difference at generated token {i}: got {a}, want {b}\n  got  {got}\n  want {want}"
-    return f"lengths differ: got {len(got)} tokens, want {len(want)}\n  got  {got}\n  want {want}"
 
 
 def first_new_token_index(stream, start=2):

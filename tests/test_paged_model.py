@@ -8,16 +8,9 @@ import pytest
 import torch
 
 from minicb.model import random_model
-from minicb.naive import generate_with_cache
+from minicb.naive import first_difference, generate_with_cache
 from minicb.paged_model import generate_paged
 from minicb.sampling import SamplingParams
-
-
-def first_difference(a, b) -> str:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return f"first difference at token {i}: paged {x}, chapter 01 {y}"
-    return f"lengths differ: paged {len(a)}, chapter 01 {len(b)}"
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -28,7 +21,7 @@ def test_tiny_model_paged_equals_chapter01(block_size):
         want = generate_with_cache(model, prompt, params).token_ids
         for backend in ("torch", "triton"):
             got = generate_paged(model, prompt, params, attention=backend, block_size=block_size).token_ids
-            assert got == want, f"{backend}, block_size {block_size}: {first_difference(got, want)}"
+            assert got == want, f"{backend}, block_size {block_size}: {first_difference(got, want, ('paged', 'chapter 01'))}"
 
 
 @pytest.mark.slow
@@ -48,4 +41,4 @@ def test_smollm2_paged_torch_and_triton_equal_chapter01():
         want = generate_with_cache(model, p, params).token_ids
         for backend in ("torch", "triton"):
             got = generate_paged(model, p, params, attention=backend).token_ids
-            assert got == want, f"{backend}, prompt {i}: {first_difference(got, want)}"
+            assert got == want, f"{backend}, prompt {i}: {first_difference(got, want, ('paged', 'chapter 01'))}"
