@@ -28,3 +28,43 @@ def device() -> str:
     if name.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip(f"MINICB_DEVICE={name} but torch.cuda.is_available() is False")
     return name
+
+
+# ---- the real model, shared by the slow tests -----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2(device):
+    """(model, tokenizer, prompts): SmolLM2 loaded once, and the first 32 bundled chat
+    prompts in its chat template, as token ids."""
+    from minicb.data import load_chat_prompts
+    from minicb.tokenizer import load_tokenizer
+    from minicb.weights import load_model
+
+    model, tokenizer = load_model(device=device), load_tokenizer()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in load_chat_prompts(32)]
+    return model, tokenizer, prompts
+
+
+@pytest.fixture(scope="session")
+def chapter01_answers(smollm2):
+    """answers(n, max_tokens) -> the reference chapter 01 greedy Generations of the first n prompts.
+
+    Chapter 01 decodes one prompt at a time, the slowest part of the real-model
+    tests, so each answer is computed once per session and shared (chapters 02
+    and 06 both compare against it). It is computed on first use: a test calls
+    the code under test first, so against the stubs it fails in seconds.
+    """
+    from minicb.naive import generate_with_cache  # the reference: it is the oracle
+    from minicb.sampling import SamplingParams
+
+    model, _, prompts = smollm2
+    cache = {}
+
+    def answers(n: int, max_tokens: int):
+        for i in range(n):
+            if (i, max_tokens) not in cache:
+                cache[i, max_tokens] = generate_with_cache(model, prompts[i], SamplingParams(max_tokens=max_tokens))
+        return [cache[i, max_tokens] for i in range(n)]
+
+    return answers

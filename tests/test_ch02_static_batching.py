@@ -9,8 +9,6 @@ a batch small enough to count on paper.
 
 Run against your own code with `python -m minicb check 2`.
 """
-import functools
-
 import pytest
 import torch
 
@@ -222,32 +220,16 @@ def test_a_short_last_batch_leaves_empty_slots(device):
 # ---- the real model ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2_chapter01(device):
-    from minicb.data import load_chat_prompts
-    from minicb.tokenizer import load_tokenizer
-    from minicb.weights import load_model
-
-    model, tokenizer = load_model(device=device), load_tokenizer()
-    texts = load_chat_prompts(16)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    params = SamplingParams(max_tokens=48)
-
-    @functools.cache
-    def expected():  # computed on first use, after the code under test has run (stubs fail fast)
-        return [chapter01.generate_with_cache(model, p, params) for p in prompts]
-
-    return model, texts, prompts, params, expected
-
-
 @pytest.mark.slow
 @pytest.mark.task(3)
 @pytest.mark.parametrize("batch_size", [4, 16])
-def test_smollm2_chat_prompts_match_chapter01(smollm2_chapter01, batch_size):
-    model, texts, prompts, params, expected = smollm2_chapter01
+def test_smollm2_chat_prompts_match_chapter01(smollm2, chapter01_answers, batch_size):
+    # 16 bundled chat prompts of different lengths, so every batch is really padded.
+    model, _, prompts = smollm2
+    prompts, params = prompts[:16], SamplingParams(max_tokens=24)
     result = static.run_static(model, prompts, params, batch_size=batch_size)
-    for i, (got, want) in enumerate(zip(result.generations, expected())):
-        assert got.token_ids == want.token_ids, (f"batch size {batch_size}, prompt {i} {texts[i]!r} "
-                                                 f"({len(prompts[i])} tokens): "
+    expected = chapter01_answers(16, params.max_tokens)  # after the code under test: stubs fail fast
+    for i, (got, want) in enumerate(zip(result.generations, expected)):
+        assert got.token_ids == want.token_ids, (f"batch size {batch_size}, prompt {i} ({len(prompts[i])} tokens): "
                                                  f"{first_difference(got.token_ids, want.token_ids)}")
-        assert got.finish_reason == want.finish_reason, f"prompt {i} {texts[i]!r}: finish_reason differs"
+        assert got.finish_reason == want.finish_reason, f"prompt {i}: finish_reason differs"
