@@ -15,9 +15,10 @@ How it works: the tests run in a fresh `python -m pytest` with
 MINICB_IMPL=student (or MINICB_IMPL_FILE=PATH) and MINICB_IMPL_ONLY naming
 the chapter's module, so `minicb.impl.load()` hands them your module for this
 chapter and the reference for every other one; and with this file loaded as a
-pytest plugin (`-p minicb.check`). The plugin reads each test's `@pytest.mark.task(k)` marker and
-writes every result to a JSON file that the parent reads back. A subprocess
-keeps your module, and anything it breaks, out of the grader's own process.
+pytest plugin (`-p minicb.check`). The plugin reads each test's
+`@pytest.mark.task(k)` marker and writes every result to a JSON file that the
+parent reads back. A subprocess keeps your module, and anything it breaks, out
+of the grader's own process.
 """
 from __future__ import annotations
 
