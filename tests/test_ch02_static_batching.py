@@ -228,6 +228,7 @@ def test_smollm2_chat_prompts_match_chapter01(smollm2, chapter01_answers, batch_
     model, _, prompts = smollm2
     prompts, params = prompts[:16], SamplingParams(max_tokens=24)
     result = static.run_static(model, prompts, params, batch_size=batch_size)
+    assert len(result.generations) == len(prompts), f"{len(result.generations)} generations for {len(prompts)} prompts"
     expected = chapter01_answers(16, params.max_tokens)  # after the code under test: stubs fail fast
     for i, (got, want) in enumerate(zip(result.generations, expected)):
         assert got.token_ids == want.token_ids, (f"batch size {batch_size}, prompt {i} ({len(prompts[i])} tokens): "

@@ -126,6 +126,7 @@ def test_smollm2_32_prompts_equal_chapter01_with_and_without_preemption(smollm2,
     for block_size, num_blocks, min_preemptions in ((16, None, 0), (4, need + 8, 20)):
         llm = LLM.from_model(model, tok, max_num_seqs=8, num_blocks=num_blocks, block_size=block_size)
         outs = llm.generate(prompts, params, use_tqdm=False)
+        assert len(outs) == len(prompts), f"num_blocks={num_blocks}: {len(outs)} outputs for {len(prompts)} prompts"
         want = chapter01_answers(32, params.max_tokens)  # after the engine ran: stubs fail fast
         for i, (o, w) in enumerate(zip(outs, want)):
             assert o.token_ids == w.token_ids, (f"num_blocks={num_blocks}, prompt {i}: "
