@@ -145,7 +145,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work: decodes of the running requests, then new prefills."""
         out = SchedulerOutput()
-        self.schedule_decodes(out)
+        if self.running:  # (the first step has nothing to decode: admission comes first)
+            self.schedule_decodes(out)
         self.admit(out)
         return out
 
