@@ -12,6 +12,8 @@ import sys
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    # The same three flags on every command that loads a model; their values go
+    # to minicb.weights.load_model, which names the allowed choices when one is wrong.
     p.add_argument("--model", default=None, help="a .gguf file or HF checkpoint directory (default: embedded SmolLM2)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
@@ -20,6 +22,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     from minicb import LLM, SamplingParams
 
+    # Reject bad input before the model loads: an empty prompt would otherwise cost
+    # seconds of loading and then fail anyway.
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; give some text to answer")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -27,8 +31,12 @@ def cmd_generate(args) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
     if llm.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer files, so text prompts cannot be encoded")
+    # An instruct model expects its chat template around the question; --raw skips
+    # it to show what the bare model does with plain text.
     messages = [{"role": "user", "content": args.prompt}]
     prompt = llm.tokenizer.apply_chat_template(messages) if not args.raw else llm.tokenizer.encode(args.prompt)
+    # stream() runs the continuous-batching engine with one request and yields an
+    # event per generated token; the last event also carries the finished output.
     tokens, shown = [], ""
     for event in llm.stream([prompt], params):
         # Decode everything so far and print what is new: a token can be half of a
@@ -47,11 +55,15 @@ def cmd_generate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minicb", description="minicb: learn LLM serving by building it.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    # One subcommand per job. The module docstring doubles as the help's epilog,
+    # so `--help` shows the same examples this file opens with.
     sub = ap.add_subparsers(dest="command", metavar="{generate,demo,bench,check}")
 
     g = sub.add_parser("generate", help="stream an answer to one prompt (chat template applied)")
     g.add_argument("prompt")
     add_model_args(g)
+    # Sampling flags map one to one onto SamplingParams, which validates them
+    # (e.g. --max-tokens 0 or --top-p 2 is an error that names the allowed range).
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -60,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--attention", default="torch", choices=["torch", "triton"])
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
+    # The demo's defaults keep `make demo` to about two minutes on a 2-core CPU (121 s measured).
     d = sub.add_parser("demo", help="static vs continuous batching on the bundled prompts, with slot timelines")
     add_model_args(d)
     d.add_argument("--num-prompts", type=int, default=24)
@@ -67,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--png", default="build/demo_timeline.png")
 
-    # These two parse their own arguments (python -m minicb bench --help).
+    # These two parse their own arguments (python -m minicb bench --help), so the
+    # rest of the command line is handed to them untouched.
     sub.add_parser("bench", help="throughput and latency: minicb engines vs HF transformers", add_help=False)
     sub.add_parser("check", help="run a chapter's tests against your exercise file", add_help=False)
     args, rest = ap.parse_known_args(argv)
@@ -78,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from minicb.check import main as check_main
         return check_main(rest)
+    # Heavy imports (torch, transformers) happen inside each command, so
+    # `python -m minicb --help` answers at once.
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command is None:

@@ -18,6 +18,8 @@ import time
 
 def finish_times(traces) -> dict[int, float]:
     """Seconds from the start of the run until each request's last token, from the traces alone."""
+    # Every request is queued at time 0, so the moment its last token appears is
+    # its latency. Steps run back to back: summing step times gives the clock.
     elapsed, done = 0.0, {}
     for t in traces:
         elapsed += t.time_s
@@ -29,6 +31,8 @@ def finish_times(traces) -> dict[int, float]:
 def summary_row(name: str, traces, num_output_tokens: int) -> dict:
     from minicb.viz import summarize
 
+    # Everything comes from the StepTraces both engines emit, so the two rows are
+    # computed the same way and the comparison is fair by construction.
     s = summarize(traces)
     latencies = list(finish_times(traces).values())
     return {"engine": name, "steps": s["steps"], "seconds": s["time_s"],
@@ -56,14 +60,20 @@ def main(args) -> int:
           f"on {model.device} in {time.perf_counter() - t0:.1f} s; torch threads: {torch.get_num_threads()}")
     questions = load_chat_prompts(args.num_prompts)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    # Greedy, so both engines must produce the same tokens: any difference in the
+    # summary comes from scheduling, never from different answers.
     params = SamplingParams(max_tokens=args.max_tokens)  # greedy
     print(f"{len(prompts)} chat prompts, {args.slots} slots, greedy, max_tokens {args.max_tokens}\n")
 
+    # Static: prompts go in fixed batches of `slots`; each batch runs until its
+    # longest answer ends, and finished rows sit idle (the grey in the timeline).
     print("static batching (chapter 02) ...", flush=True)
     static = run_static(model, prompts, params, batch_size=args.slots)
     print("continuous batching (chapter 06) ...", flush=True)
     if impl.which() == "student":
         print("  MINICB_IMPL=student: the engine runs your block allocator and scheduler")
+    # Continuous: the same number of slots, but a finished request leaves at once
+    # and the next waiting one takes its slot in the following step.
     llm = LLM.from_model(model, tokenizer, max_num_seqs=args.slots)
     try:
         outputs = llm.generate(prompts, params)
@@ -72,15 +82,18 @@ def main(args) -> int:
         return 1
     continuous = llm.traces
 
+    # Colour only on a terminal; piped output (logs, CI) stays plain text.
     for name, traces in (("static batching", static.traces), ("continuous batching", continuous)):
         print(f"\n== {name}: slot timeline ==")
         print(timeline_text(traces, color=os.isatty(1)))
 
+    # The correctness side of the comparison: how many answers are token-for-token equal.
     same = sum(g.token_ids == o.token_ids for g, o in zip(static.generations, outputs))
     print(f"\n== a few answers (static and continuous agree on {same} of {len(prompts)}) ==")
     for q, o in list(zip(questions, outputs))[:3]:
         print(f"Q: {q}\nA: {o.text.strip()[:300]}\n")
 
+    # Throughput counts only the tokens a user receives, not padding or idle rows.
     n_static = sum(len(g.token_ids) for g in static.generations)
     n_cont = sum(len(o.token_ids) for o in outputs)
     rows = [summary_row("static", static.traces, n_static), summary_row("continuous", continuous, n_cont)]
@@ -93,6 +106,7 @@ def main(args) -> int:
     print(f"continuous / static: {rows[1]['tok/s'] / rows[0]['tok/s']:.2f}x tok/s, "
           f"{rows[0]['mean latency (s)'] / rows[1]['mean latency (s)']:.2f}x lower mean latency")
 
+    # The same two timelines as a picture (the README shows one).
     png = pathlib.Path(args.png)
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_side_by_side(static.traces, continuous, path=str(png))
