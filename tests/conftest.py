@@ -68,3 +68,35 @@ def chapter01_answers(smollm2):
         return [cache[i, max_tokens] for i in range(n)]
 
     return answers
+
+
+# ---- chapter 06: each scheduler task graded on its own --------------------------------
+
+# The scheduler's exercise methods, by task (chapters/06-continuous-batching/exercise.py).
+SCHEDULER_TASKS = {1: "admit", 2: "postprocess", 3: "schedule_decodes"}
+
+
+@pytest.fixture
+def one_scheduler_task(request, monkeypatch):
+    """Run a chapter 06 test on the graded scheduler's method for the test's own task,
+    with the reference's methods for the other two tasks.
+
+    Every scheduler test drives whole steps (admit, decode, postprocess), so a test
+    of task 1 also calls the methods of tasks 2 and 3. Without this, a student who
+    has written only `admit` would still fail task 1 on the other two stubs. With
+    the reference loaded, nothing changes.
+    """
+    import importlib
+    import types
+
+    from minicb import impl
+
+    graded, reference = impl.load("scheduler"), importlib.import_module("minicb.scheduler")
+    task = request.node.get_closest_marker("task").args[0]
+    if graded is reference:
+        return
+    others = {name: getattr(reference.Scheduler, name) for t, name in SCHEDULER_TASKS.items() if t != task}
+    scheduler = types.SimpleNamespace(**vars(graded))
+    scheduler.Scheduler = type("Scheduler", (graded.Scheduler,), others)
+    load = impl.load
+    monkeypatch.setattr(impl, "load", lambda module: scheduler if module == "scheduler" else load(module))

@@ -14,6 +14,10 @@ from minicb.engine import Engine, EngineConfig
 from minicb.model import random_model
 from minicb.naive import first_difference, generate_with_cache
 
+# Each test runs the graded scheduler's method for its own task and the reference's
+# for the other two (conftest.py), so every task is graded on its own.
+pytestmark = pytest.mark.usefixtures("one_scheduler_task")
+
 
 @pytest.fixture(scope="module")
 def tiny(device="cpu"):

@@ -10,17 +10,23 @@ from minicb import impl
 from minicb.block_allocator import BlockAllocator
 from minicb.sampling import SamplingParams
 
-sched = impl.load("scheduler")
+# Each test runs the graded method of its own task, the reference for the others (conftest.py).
+pytestmark = pytest.mark.usefixtures("one_scheduler_task")
 EOS = 2
 
 
+def sched():
+    """The scheduler module under test (looked up per test: the fixture above may swap it)."""
+    return impl.load("scheduler")
+
+
 def make(num_blocks=16, block_size=4, max_num_seqs=2, max_model_len=256, budget=2048, watermark=0.0):
-    return sched.Scheduler(BlockAllocator(num_blocks, block_size), max_num_seqs, max_model_len, [EOS],
-                           max_num_batched_tokens=budget, watermark=watermark)
+    return sched().Scheduler(BlockAllocator(num_blocks, block_size), max_num_seqs, max_model_len, [EOS],
+                             max_num_batched_tokens=budget, watermark=watermark)
 
 
 def seq(rid, prompt_len, max_tokens=8):
-    return sched.Sequence(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens))
+    return sched().Sequence(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens))
 
 
 def run_step(s, token=7):
@@ -79,13 +85,22 @@ def test_preempts_newest_and_requeues_it_first():
 @pytest.mark.task(3)
 def test_a_request_that_can_never_finish_is_rejected_up_front():
     s = make(num_blocks=4, block_size=4)
-    with pytest.raises(sched.RequestRejected, match="4 blocks"):
+    with pytest.raises(sched().RequestRejected, match="4 blocks"):
         s.add(seq(0, prompt_len=10, max_tokens=20))
-    with pytest.raises(sched.RequestRejected, match="empty"):
+    with pytest.raises(sched().RequestRejected, match="empty"):
         s.add(seq(1, prompt_len=0))
-    with pytest.raises(sched.RequestRejected, match="context"):
+    with pytest.raises(sched().RequestRejected, match="context"):
         make(max_model_len=8).add(seq(2, prompt_len=8))
     assert not s.has_unfinished(), "a rejected request must not be queued"
+    # The boundary: a request that needs the whole pool (10 + 6 tokens = 4 blocks of 4) is
+    # accepted, and alone it grows into the last block and finishes without a preemption.
+    s.add(seq(3, prompt_len=10, max_tokens=6))
+    finished, preempted = [], []
+    for _ in range(6):
+        out, done = run_step(s)
+        finished, preempted = finished + done, preempted + out.preempted
+    assert [q.request_id for q in finished] == [3], f"finished {[q.request_id for q in finished]}, want [3]"
+    assert preempted == [] and s.allocator.num_free_blocks == 4, (preempted, s.allocator.num_free_blocks)
 
 
 @pytest.mark.task(1)

@@ -216,3 +216,22 @@ def test_impl_only_swaps_the_graded_chapter(monkeypatch):
     monkeypatch.setenv("MINICB_IMPL_ONLY", "sheduler")
     with pytest.raises(ValueError, match="MINICB_IMPL_ONLY='sheduler'"):
         impl.load("scheduler")
+
+
+def test_chapter06_grades_each_task_on_its_own(tmp_path):
+    # A submission with only task 1 written: task 1 passes, though every test also
+    # calls the methods of tasks 2 and 3; those tasks fail, each on its own stub.
+    partial = tmp_path / "task1_only.py"
+    partial.write_text(exercise_file("scheduler").read_text() + "\n\n"
+                       "from minicb.scheduler import Scheduler as _Reference\n"
+                       "Scheduler.admit = _Reference.admit  # task 1 done; tasks 2 and 3 still stubs\n")
+    report = check.run_tests(6, partial, pytest_args=["-m", "not slow"])
+    assert not report.errors, f"{report.errors}\n{report.output[-2000:]}"
+    results = {task: [r for r in report.results if r.task == task] for task in (1, 2, 3)}
+    failed = [f"{r.nodeid}: {r.message}" for r in results[1] if r.outcome != "passed"]
+    assert results[1] and not failed, "task 1 is written, yet its tests failed:\n  " + "\n  ".join(failed)
+    for task in (2, 3):
+        method = {2: "postprocess", 3: "schedule_decodes"}[task]
+        messages = {r.message.split(" —")[0] for r in results[task] if r.outcome == "failed"}
+        assert messages == {f"NotImplementedError: Chapter 6, task {task}: Scheduler.{method}()"}, \
+            f"task {task}'s tests should fail on its own stub only; they failed with {messages}"
