@@ -496,11 +496,13 @@ class StepPlayer:
         trace = self.traces[self._index()]
 
         def chips(request_ids):
+            # "A r0": the letter the timeline and the block map draw, beside the request id.
             if not request_ids:
                 return "<i>none</i>"
             return " ".join(
                 f"<span style='background:#{''.join(f'{round(c * 255):02x}' for c in request_color(rid))};"
-                f"padding:0 3px;border-radius:3px'>r{rid}</span>" for rid in request_ids)
+                f"padding:0 3px;border-radius:3px'>{request_symbol(rid, prefill=True)}&nbsp;r{rid}</span>"
+                for rid in request_ids)
 
         rows = [("waiting", state["waiting"]), ("running", state["running"]),
                 ("finished", state["finished"]), ("admitted this step", trace.admitted),

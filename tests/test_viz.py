@@ -333,6 +333,8 @@ def test_step_player_follows_the_slider(continuous):
         assert state["finished"] == [rid for t in continuous[:k + 1] for rid, _ in t.finished]
         assert (state["num_free_blocks"], state["block_owners"]) == (trace.num_free_blocks, trace.block_owners)
         assert f"<b>step {k}</b>" in player.queues.value
+        for rid in trace.running:  # named as the block map names them: letter, then id
+            assert f">{viz.request_symbol(rid, prefill=True)}&nbsp;r{rid}<" in player.queues.value
     # Two steps with different slot contents give different pictures.
     a = next(i for i in range(1, len(continuous)) if continuous[i].block_owners != continuous[0].block_owners)
     player.step = 0
