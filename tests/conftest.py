@@ -91,10 +91,13 @@ def one_scheduler_task(request, monkeypatch):
 
     from minicb import impl
 
+    marker = request.node.get_closest_marker("task")
+    if marker is None:
+        pytest.fail(f"{request.node.nodeid} needs @pytest.mark.task(k): it runs the graded method of task k")
     graded, reference = impl.load("scheduler"), importlib.import_module("minicb.scheduler")
-    task = request.node.get_closest_marker("task").args[0]
     if graded is reference:
         return
+    task = marker.args[0]
     others = {name: getattr(reference.Scheduler, name) for t, name in SCHEDULER_TASKS.items() if t != task}
     scheduler = types.SimpleNamespace(**vars(graded))
     scheduler.Scheduler = type("Scheduler", (graded.Scheduler,), others)
