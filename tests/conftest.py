@@ -30,6 +30,18 @@ def device() -> str:
     return name
 
 
+@pytest.fixture
+def paged_args():
+    """Valid decode arguments (q, k_cache, v_cache, block_tables, context_lens) to break on purpose:
+    2 sequences, 4 query heads over 2 KV heads, head_dim 8, 6 blocks of 4 slots, 3 table columns."""
+    q = torch.randn(2, 4, 8)
+    k_cache = torch.randn(6, 4, 2, 8)
+    v_cache = torch.randn(6, 4, 2, 8)
+    block_tables = torch.tensor([[3, 0, -1], [5, 99, -7]], dtype=torch.int32)  # past the used blocks: anything
+    context_lens = torch.tensor([5, 4], dtype=torch.int32)
+    return q, k_cache, v_cache, block_tables, context_lens
+
+
 # ---- the real model, shared by the slow tests -----------------------------------------
 
 

@@ -8,10 +8,10 @@ For each chapter in `minicb.impl.CHAPTERS`:
   (never passes), and the chapter text has a "## Task K" heading for each K;
   a function that raises nothing is given code (e.g. a wrapper that calls the
   student's functions) and is left alone;
-- the chapter's tests, run against the untouched stubs, fail with
-  NotImplementedError and nothing else, and fail at least once per task --
-  so each task is graded, and no test trips over something the student was
-  given.
+- the chapter's tests, run against the untouched stubs, all fail, with
+  NotImplementedError and nothing else, and at least once per task -- so each
+  task is graded, no test trips over something the student was given, and no
+  test hands out a pass for code the student did not write.
 
 Then `python -m minicb check 3` must fail on the stubs and pass on a copy of
 the reference (chapter 3 only, to stay fast).
@@ -175,6 +175,9 @@ def test_tests_fail_on_stubs_with_not_implemented_only(module):
              if r.outcome == "failed" and not r.message.startswith("NotImplementedError")]
     assert not wrong, ("against the untouched stubs these tests failed with something other than "
                        "NotImplementedError:\n  " + "\n  ".join(wrong))
+    passed = [r.nodeid for r in report.results if r.outcome == "passed"]
+    assert not passed, ("these tests pass on the untouched stubs, so they grade nothing the student writes; "
+                        "tests of given code belong outside tests/test_chNN_*.py:\n  " + "\n  ".join(passed))
     tasks = stub_tasks(module)
     failing_tasks = {r.task for r in report.results if r.outcome == "failed"}
     assert tasks <= failing_tasks, f"tasks {sorted(tasks - failing_tasks)} have stubs but no test that fails on them"
