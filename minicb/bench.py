@@ -4,8 +4,9 @@ In this file you will learn how to measure a serving engine honestly:
 - throughput (output tokens/s, requests/s) says how much work the machine gets
   through; latency (per request: mean, p50, p99), TTFT (time to first token)
   and TPOT (time per output token after the first) say how long a user waits;
-- slot utilisation (useful tokens / tokens computed) and KV memory waste
-  (reserved KV slots that hold no token) say *why* one engine beats another;
+- slot utilisation (useful tokens / tokens computed), busy slots (the share
+  of slot-steps that held a live request) and KV memory waste (reserved KV
+  slots that hold no token) say *why* one engine beats another;
 - every engine sees the same prompts, the same greedy parameters and the same
   clock, and the ratios come from one run, so noise hits them all alike.
 
@@ -140,6 +141,21 @@ def static_batch_tokens(prompt_lens: list[int], output_lens: list[int]) -> tuple
     return B * P + B * steps, sum(prompt_lens) + sum(n - 1 for n in output_lens)
 
 
+def busy_slot_steps(output_lens: list[int], num_slots: int) -> tuple[int, int]:
+    """(busy, total) slot-steps of one static batch run in an engine of `num_slots` rows.
+
+    The batch takes max(n) forward passes (token k of a row comes from forward k).
+    A row is busy for the n steps that make its n tokens; a finished row, and a
+    slot the batch left empty, are idle until the batch ends.
+        busy = sum(n),  total = num_slots * max(n)
+    Continuous batching has no finished rows, but its slots stand empty when the
+    queue runs dry, so this share, not utilisation, is what its throughput follows.
+    """
+    if len(output_lens) > num_slots:
+        raise ValueError(f"a batch of {len(output_lens)} requests does not fit in {num_slots} slots")
+    return sum(output_lens), num_slots * max(output_lens)
+
+
 def waste_pct(reserved: int, used: int) -> float:
     """Share of reserved KV slots (one slot holds one token's K and V) that hold nothing."""
     if not 0 <= used <= reserved:
@@ -251,6 +267,7 @@ class EngineResult:
     timings: list[RequestTiming]  # per request, in request order
     utilisation: float | None = None  # useful / computed tokens; None where we cannot see inside
     kv_waste_pct: float | None = None  # reserved KV slots holding no token
+    busy_slots: float | None = None  # slot-steps holding a live request / all slot-steps
 
 
 def serve_in_batches(run_batch, requests: list[Request], arrivals: list[float] | None,
@@ -266,7 +283,7 @@ def serve_in_batches(run_batch, requests: list[Request], arrivals: list[float] |
     arrivals = arrivals or [0.0] * len(requests)
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     tokens, timings = [None] * len(requests), [None] * len(requests)
-    computed = useful = reserved = used = 0
+    computed = useful = reserved = used = busy = slot_steps = 0
     start, next_up = time.perf_counter(), 0
     with tqdm(total=len(requests), desc=desc, unit="req", disable=not progress) as bar:
         while next_up < len(order):
@@ -288,10 +305,12 @@ def serve_in_batches(run_batch, requests: list[Request], arrivals: list[float] |
             # reserved (padding, rows already finished, unused cache) is waste.
             c, u = static_batch_tokens(prompt_lens, [len(o) for o in outs])
             computed, useful = computed + c, useful + u
+            b, t = busy_slot_steps([len(o) for o in outs], batch_size)
+            busy, slot_steps = busy + b, slot_steps + t
             reserved += batch_reserved
             used += sum(prompt_lens) + sum(len(o) for o in outs)
             bar.update(len(batch))
-    return EngineResult(tokens, timings, useful / computed, waste_pct(reserved, used))
+    return EngineResult(tokens, timings, useful / computed, waste_pct(reserved, used), busy / slot_steps)
 
 
 def minicb_batch_runner(model, static: bool):
@@ -373,8 +392,9 @@ def run_minicb_continuous(llm, requests: list[Request], arrivals: list[float] | 
     # Utilisation is 100% by construction (no padding, no finished rows); the table says so
     # anyway, because that is the whole difference from static batching.
     reserved, used = paged_kv_at_peak(llm.traces, llm.engine.config.block_size)
-    return EngineResult([o.token_ids for o in outs], timings, summarize(llm.traces)["utilisation"],
-                        waste_pct(reserved, used))
+    steps = summarize(llm.traces)
+    return EngineResult([o.token_ids for o in outs], timings, steps["utilisation"], waste_pct(reserved, used),
+                        1 - steps["idle_slot_steps"] / steps["slot_steps"])
 
 
 def run_hf_continuous(hf_model, requests: list[Request], arrivals: list[float] | None, eos_id: int,
@@ -453,7 +473,7 @@ def run_workload(engines: dict, requests: list[Request], arrivals: list[float] |
             continue
         tokens[name] = result.token_ids
         rows[name] = {**summarize_timings(result.timings), "utilisation": result.utilisation,
-                      "kv_waste_pct": result.kv_waste_pct}
+                      "busy_slots": result.busy_slots, "kv_waste_pct": result.kv_waste_pct}
     # Ratios from this one run, so that machine noise affects numerator and denominator alike.
     for baseline in ("hf-generate", "minicb-static"):
         base = rows.get(baseline, {}).get("output_tok_s")
@@ -479,7 +499,7 @@ def _fmt(value, spec: str, suffix: str = "", scale: float = 1.0) -> str:
 
 def markdown_table(rows: dict, num_requests: int) -> str:
     header = ("| engine | out tok/s | req/s | latency mean | p50 | p99 | TTFT mean | TPOT mean | slot util | "
-              "KV waste | vs hf-generate | vs minicb-static | same as continuous |")
+              "busy slots | KV waste | vs hf-generate | vs minicb-static | same as continuous |")
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for name, r in rows.items():
         if "error" in r:
@@ -491,7 +511,8 @@ def markdown_table(rows: dict, num_requests: int) -> str:
             _fmt(r["latency_mean_s"], ".2f", " s"), _fmt(r["latency_p50_s"], ".2f", " s"),
             _fmt(r["latency_p99_s"], ".2f", " s"), _fmt(r["ttft_mean_s"], ".2f", " s"),
             _fmt(r["tpot_mean_s"], ".1f", " ms", 1000),
-            _fmt(r["utilisation"], ".0f", "%", 100), _fmt(r["kv_waste_pct"], ".0f", "%"),
+            _fmt(r["utilisation"], ".0f", "%", 100), _fmt(r.get("busy_slots"), ".0f", "%", 100),
+            _fmt(r["kv_waste_pct"], ".0f", "%"),
             _fmt(r.get("speedup_vs_hf-generate"), ".2f", "x"), _fmt(r.get("speedup_vs_minicb-static"), ".2f", "x"),
             (same or "n/a") + " |"]))
     return "\n".join(lines)

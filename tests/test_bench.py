@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from minicb import bench
+from minicb import LLM, bench
 from minicb.data import load_chat_prompts
 from minicb.model import random_model
 from minicb.naive import first_difference
@@ -70,6 +70,28 @@ def test_static_batch_tokens_matches_chapter_02_counters():
     got = bench.static_batch_tokens([len(p) for p in prompts], [5, 2, 9])
     assert got == (stats.computed_tokens, stats.useful_tokens), \
         f"formula gives (computed, useful) = {got}, run_static counted {(stats.computed_tokens, stats.useful_tokens)}"
+
+
+def test_busy_slot_steps_by_hand():
+    # Outputs of 2 and 4 tokens in 3 slots: 4 steps x 3 slots = 12 slot-steps, of which
+    # the rows were live for 2 + 4 = 6; the third slot stood empty throughout.
+    assert bench.busy_slot_steps([2, 4], num_slots=3) == (6, 12)
+    assert bench.busy_slot_steps([5], num_slots=1) == (5, 5)  # one prompt at a time: always busy
+    with pytest.raises(ValueError, match="3 requests does not fit in 2 slots"):
+        bench.busy_slot_steps([1, 1, 1], num_slots=2)
+
+
+def test_continuous_busy_slots_count_the_empty_slots():
+    # 5 requests, 4 slots: once the queue runs dry, slots stand empty until the longest
+    # (9 tokens) ends. Utilisation stays 100% (nothing computed is wasted); busy slots do not.
+    lens = (2, 9, 3, 4, 6)
+    llm = LLM.from_model(random_model(), max_num_seqs=4, block_size=4, num_blocks=64)
+    requests = [bench.Request([5 + i] * 3, max_tokens=n, ignore_eos=True) for i, n in enumerate(lens)]
+    result = bench.run_minicb_continuous(llm, requests, None, progress=False)
+    assert [len(t) for t in result.token_ids] == list(lens) and result.utilisation == 1.0
+    assert result.busy_slots == pytest.approx(sum(lens) / (4 * len(llm.traces))), \
+        f"busy slots {result.busy_slots}: want {sum(lens)} live slot-steps of 4 x {len(llm.traces)}"
+    assert result.busy_slots < 1
 
 
 def test_waste_pct():
@@ -205,6 +227,8 @@ def test_serve_in_batches_only_batches_arrived_requests():
     assert late.arrival == 0.3 and late.first_token >= 0.3 and late.finish > late.first_token
     # Request 0 (1 token) finished at the first forward; request 1 (2 tokens) one forward later.
     assert result.timings[0].finish == result.timings[0].first_token < result.timings[1].finish
+    # Busy slots: batches of (1, 2), (3), (4) tokens in 2 slots take 2 + 3 + 4 steps; 10 of 18 slot-steps live.
+    assert result.busy_slots == pytest.approx(10 / 18)
 
 
 # ---- one smoke run of the whole command ----------------------------------------------
@@ -231,6 +255,9 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
         assert rows[engine]["requests"] == 3 and rows[engine]["output_tok_s"] > 0
     # Same weights, same greedy decoding, same ignore_eos: minicb's engines agree exactly.
     assert rows["minicb-naive"]["same_as_continuous"] == rows["minicb-static"]["same_as_continuous"] == 3
+    assert rows["minicb-naive"]["busy_slots"] == 1.0 and rows["hf-generate-batch"]["busy_slots"] is None
+    for engine in ("minicb-static", "minicb-continuous", "hf-generate"):
+        assert 0 < rows[engine]["busy_slots"] <= 1, (engine, rows[engine]["busy_slots"])
     assert report["meta"]["threads"] == 1
     assert "| minicb-continuous |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 0
