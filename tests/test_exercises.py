@@ -188,8 +188,9 @@ def test_tests_fail_on_stubs_with_not_implemented_only(module):
 def test_check_command_exit_codes(tmp_path, monkeypatch, capsys):
     # Against the stubs: a non-zero exit and a table naming the task to do first.
     # (The stub run is shared with the test above; main() still formats and decides.)
+    report = stub_report("block_allocator")  # before the patch: run alone, the test must not recurse into it
     with monkeypatch.context() as patch:
-        patch.setattr(check, "run_tests", lambda *args, **kwargs: stub_report("block_allocator"))
+        patch.setattr(check, "run_tests", lambda *args, **kwargs: report)
         assert check.main(["3"]) == 1
     table = capsys.readouterr().out
     assert "FAIL" in table and "NotImplementedError: Chapter 3, task 1" in table, table
