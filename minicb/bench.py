@@ -33,7 +33,7 @@ The workloads:
 KV waste counts what each cache layout reserves but never fills: a contiguous cache
 (naive, static, hf-generate) reserves a full row per request, so it is summed over
 batches; the paged cache is measured at the step holding the most blocks. HF's
-paged cache is opaque from outside, so its utilisation and waste read n/a.
+paged cache is opaque from outside, so its utilisation, busy slots and waste read n/a.
 
 It is a benchmark, not a test: timings on a shared CPU are noisy (try --threads 1
 when other jobs run). Before timing, it checks on 4 prompts that static and
@@ -390,7 +390,8 @@ def run_minicb_continuous(llm, requests: list[Request], arrivals: list[float] | 
     timings = [RequestTiming(o.metrics.arrival_time, o.metrics.first_token_time, o.metrics.finish_time,
                              len(o.token_ids)) for o in outs]
     # Utilisation is 100% by construction (no padding, no finished rows); the table says so
-    # anyway, because that is the whole difference from static batching.
+    # anyway, because that is the difference from static batching. Busy slots show what is
+    # left idle: slots stand empty once the queue runs dry.
     reserved, used = paged_kv_at_peak(llm.traces, llm.engine.config.block_size)
     steps = summarize(llm.traces)
     return EngineResult([o.token_ids for o in outs], timings, steps["utilisation"], waste_pct(reserved, used),
