@@ -393,9 +393,9 @@ def run_minicb_continuous(llm, requests: list[Request], arrivals: list[float] | 
     # anyway, because that is the difference from static batching. Busy slots show what is
     # left idle: slots stand empty once the queue runs dry.
     reserved, used = paged_kv_at_peak(llm.traces, llm.engine.config.block_size)
-    steps = summarize(llm.traces)
-    return EngineResult([o.token_ids for o in outs], timings, steps["utilisation"], waste_pct(reserved, used),
-                        1 - steps["idle_slot_steps"] / steps["slot_steps"])
+    summary = summarize(llm.traces)
+    return EngineResult([o.token_ids for o in outs], timings, summary["utilisation"], waste_pct(reserved, used),
+                        1 - summary["idle_slot_steps"] / summary["slot_steps"])
 
 
 def run_hf_continuous(hf_model, requests: list[Request], arrivals: list[float] | None, eos_id: int,
