@@ -76,9 +76,7 @@ def generate_no_cache(model: Model, prompt_ids: list[int], params: SamplingParam
         token = sample(logits[:, -1], [params], [generator])[0]
         out.append(token)
         tokens.append(token)
-        reason = finish_reason(token, len(out), params, cfg.eos_token_ids)
-        if reason is None and len(tokens) >= cfg.max_position_embeddings:
-            reason = "length"  # the context is full
+        reason = finish_reason(token, len(out), params, cfg.eos_token_ids, len(tokens), cfg.max_position_embeddings)
         if reason:
             return Generation(out, reason)
 
@@ -150,9 +148,8 @@ def generate_with_cache(model: Model, prompt_ids: list[int], params: SamplingPar
     while True:
         token = sample(logits[:, -1], [params], [generator])[0]
         out.append(token)
-        reason = finish_reason(token, len(out), params, cfg.eos_token_ids)
-        if reason is None and len(prompt_ids) + len(out) >= cfg.max_position_embeddings:
-            reason = "length"  # the context is full
+        reason = finish_reason(token, len(out), params, cfg.eos_token_ids,
+                               len(prompt_ids) + len(out), cfg.max_position_embeddings)
         if reason:
             return Generation(out, reason)
         # Decode: one token in, attending over everything cached so far.

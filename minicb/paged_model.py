@@ -138,9 +138,7 @@ def generate_paged(model: Model, prompt_ids: list[int], params: SamplingParams, 
         token = sample(logits[:, -1], [params], [generator])[0]
         out.append(token)
         tokens.append(token)
-        reason = finish_reason(token, len(out), params, cfg.eos_token_ids)
-        if reason is None and len(tokens) >= max_len:
-            reason = "length"
+        reason = finish_reason(token, len(out), params, cfg.eos_token_ids, len(tokens), cfg.max_position_embeddings)
         if reason:
             return Generation(out, reason)
         allocator.append(seq_id)  # room for the token we feed next

@@ -82,15 +82,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return tokens
 
 
-def finish_reason(token_id: int, num_generated: int, params: SamplingParams,
-                  eos_token_ids: list[int]) -> str | None:
-    """'stop' for EOS / a stop token, 'length' at max_tokens, else None.
+def finish_reason(token_id: int, num_generated: int, params: SamplingParams, eos_token_ids: list[int],
+                  num_tokens: int, max_model_len: int) -> str | None:
+    """Why a sequence ends after sampling `token_id`, or None if it goes on.
 
-    `num_generated` counts `token_id` itself. The token that ended a sequence
-    stays in its output, as in vLLM.
+    The one stop rule every engine calls, from chapter 01's loop to chapter 06's
+    scheduler:
+      "stop"    token_id is EOS (unless params.ignore_eos) or one of params.stop_token_ids;
+      "length"  num_generated reached params.max_tokens, or the sequence fills the
+                model's context (num_tokens >= max_model_len), so no position is
+                left for another token.
+    `num_generated` and `num_tokens` (prompt + generated) both count `token_id`
+    itself. The token that ended a sequence stays in its output, as in vLLM.
     """
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return "stop"
-    if num_generated >= params.max_tokens:
+    if num_generated >= params.max_tokens or num_tokens >= max_model_len:
         return "length"
     return None

@@ -118,10 +118,13 @@ def run_batch(model: Model, prompts: list[list[int]], params: list[SamplingParam
             if reasons[row] is not None:
                 continue  # a finished row still computed a token; we throw it away
             outputs[row].append(tokens[row])
-            reasons[row] = finish_reason(tokens[row], len(outputs[row]), params[row], cfg.eos_token_ids)
-            context_full = len(prompts[row]) + len(outputs[row]) >= cfg.max_position_embeddings
-            if reasons[row] is None and (context_full or cache.seq_len >= max_len):
-                reasons[row] = "length"  # the model's context, or the batch's cache columns, are full
+            reasons[row] = finish_reason(tokens[row], len(outputs[row]), params[row], cfg.eos_token_ids,
+                                         len(prompts[row]) + len(outputs[row]), cfg.max_position_embeddings)
+            if reasons[row] is None and cache.seq_len >= max_len:
+                # Not a stop rule of the request but of the batch: left padding
+                # made every row as long as the longest prompt, and the padded
+                # cache has no column left for another token.
+                reasons[row] = "length"
             if reasons[row]:
                 finished_now.append((request_ids[row], reasons[row]))
         done = all(r is not None for r in reasons)

@@ -13,8 +13,10 @@ What you call (all given):
   mask broadcasts to [B, 1, Tq, Tk], True = may attend, None = attend to all.
 - `make_generator(params, device)` once per request, then
   `sample(logits [B, V], [params], [generator]) -> [token]` once per step.
-- `finish_reason(token, num_generated, params, eos_token_ids)` -> "stop" |
-  "length" | None, counting `token` itself among the generated ones.
+- `finish_reason(token, num_generated, params, eos_token_ids, num_tokens, max_model_len)`
+  -> "stop" | "length" | None. `num_generated` and `num_tokens` (prompt +
+  generated) both count `token` itself; `max_model_len` is
+  model.config.max_position_embeddings, so a full context ends with "length" too.
 - `check_prompt(prompt_ids, max_context)` raises the ValueErrors for an empty
   or too-long prompt.
 """
@@ -33,9 +35,9 @@ def generate_no_cache(model: Model, prompt_ids: list[int], params: SamplingParam
 
     Check the prompt first (check_prompt). Each step: a forward over all tokens
     so far with positions 0..T-1 and a fresh DenseAttention(); sample from the
-    last position's logits; append; stop when finish_reason says so -- or with
-    "length" when prompt + generated tokens fill the model's context
-    (model.config.max_position_embeddings). The token that ended the sequence
+    last position's logits; append; stop when finish_reason says so (it also
+    says "length" when prompt + generated tokens fill the model's context,
+    model.config.max_position_embeddings). The token that ended the sequence
     stays in Generation.token_ids.
     """
     raise NotImplementedError(
