@@ -10,17 +10,22 @@ serving loop. `Engine.step()` does, in order:
     4. sample       one token per sequence, each with its own generator
     5. postprocess  append tokens, evict finished sequences, free their blocks
 
-and returns a `StepTrace` saying what every slot did. Because a finished
-sequence leaves at the end of the step that finished it, the next step's
-`schedule()` can put a waiting request straight into its slot: no row of the
-batch ever idles while work is waiting. That is the whole trick.
+and returns a `StepOutput`: the new token of every scheduled request, and the
+requests that finished. Because a finished sequence leaves at the end of the
+step that finished it, the next step's `schedule()` can put a waiting request
+straight into its slot: no row of the batch ever idles while work is waiting.
+That is the whole trick.
 
     engine = Engine(model, EngineConfig(max_num_seqs=8))
     rid = engine.add_request([1, 422, 88], SamplingParams(max_tokens=16))
     while engine.has_unfinished():
-        trace = engine.step()
-    engine.sequences[rid].output_token_ids
+        out = engine.step()
+        for seq in out.finished:            # each finished request is handed out once,
+            print(seq.request_id, seq.output_token_ids, seq.finish_reason)  # then forgotten
 
+The engine keeps a request (one `Sequence`, minicb/scheduler.py) only while it
+waits or runs, so a server can run it for weeks. With `keep_traces` it also
+records a `StepTrace` per step for the pictures (minicb/trace.py).
 `minicb.llm.LLM` wraps this with a tokenizer, progress bars and output objects.
 Chapter text: chapters/06-continuous-batching/README.md.
 """
@@ -28,7 +33,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +43,7 @@ from minicb.model import Model
 from minicb.paged_attention import KVPool
 from minicb.paged_model import AttentionMetadata, PagedAttention, attention_kernels
 from minicb.sampling import SamplingParams, make_generator, sample
+from minicb.scheduler import Sequence
 from minicb.trace import SlotState, StepTrace
 
 
@@ -50,6 +57,18 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks kept free at admission
     gpu_memory_fraction: float = 0.5  # KV budget on CUDA: this fraction of free memory
     cpu_kv_gib: float = 1.0  # KV budget on CPU
+    # StepTraces to keep in Engine.traces: 0 records none (the default: a long-running
+    # server needs none), N keeps the last N steps, None keeps every step.
+    keep_traces: int | None = 0
+
+
+@dataclass
+class StepOutput:
+    """What one step did to requests. The engine keeps none of it."""
+
+    new_tokens: list[tuple[int, int]] = field(default_factory=list)  # (request_id, token), batch order
+    finished: list[Sequence] = field(default_factory=list)  # ended this step; the engine has let go of them
+    trace: StepTrace | None = None  # the step's picture, when keep_traces asks for one
 
 
 class Engine:
@@ -76,8 +95,12 @@ class Engine:
         self.allocator = allocator
         self.pool = KVPool(cfg.num_layers, num_blocks, ec.block_size, cfg.num_kv_heads, cfg.head_dim,
                            model.dtype, model.device)
-        self.sequences = {}  # request_id -> Sequence, every request ever added
-        self.generators: dict[int, torch.Generator | None] = {}
+        self.requests: dict[int, Sequence] = {}  # request_id -> its state, while it waits or runs
+        keep = ec.keep_traces
+        if keep is not None and (not isinstance(keep, int) or keep < 0):
+            raise ValueError(f"keep_traces={keep!r}; it must be 0 (none), a positive int (the last N steps) "
+                             f"or None (every step)")
+        self.traces: deque[StepTrace] = deque(maxlen=keep)
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -101,40 +124,49 @@ class Engine:
         self.check_request(prompt_token_ids, params)
         rid = next(self._ids)
         seq = self.Sequence(rid, prompt_token_ids, params,
-                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+                            arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        seq.generator = make_generator(params, self.model.device)
         self.scheduler.add(seq)
-        self.sequences[rid] = seq
-        self.generators[rid] = make_generator(params, self.model.device)
+        self.requests[rid] = seq
         return rid
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int) -> Sequence:
+        """Stop a waiting or running request now; returns it (finish_reason "abort"), and forgets it."""
         if self.scheduler.abort(request_id) is None:
             raise KeyError(f"request {request_id} is not waiting or running")
+        seq = self.requests.pop(request_id)
+        seq.finish_time = time.perf_counter()
+        return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- one step -------------------------------------------------------------------
 
-    def step(self) -> StepTrace:
+    def step(self) -> StepOutput:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         for src, dst in out.block_copies:  # copy-on-write of shared blocks (prefix sharing)
             self.pool.copy_block(src, dst)
         seqs = out.sequences  # decodes first, then prefills
-        slot_of = {s.request_id: (s.slot, "decode" if i < len(out.decodes) else "prefill", out.num_new_tokens(s))
-                   for i, s in enumerate(seqs)}
+        # Who computed what where, read before postprocess frees the finished ones' slots.
+        work = [(s.request_id, s.slot, "decode" if i < len(out.decodes) else "prefill", out.num_new_tokens(s))
+                for i, s in enumerate(seqs)]
         tokens: list[int] = []
         if seqs:
             input_ids, positions, meta = self.prepare(out)
             attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
             logits = self.model(input_ids, positions, attention, logits_at=meta.last_token_index())  # [1, S, V]
-            tokens = sample(logits[0], [s.params for s in seqs], [self.generators[s.request_id] for s in seqs])
+            tokens = sample(logits[0], [s.params for s in seqs], [s.generator for s in seqs])
         finished = self.scheduler.postprocess(out, tokens, time.perf_counter())
         for seq in finished:
-            self.generators.pop(seq.request_id, None)
+            del self.requests[seq.request_id]  # handed out below; the engine keeps nothing
         self.num_steps += 1
-        return self._trace(out, slot_of, tokens, finished, time.perf_counter() - t0)
+        result = StepOutput(new_tokens=[(s.request_id, t) for s, t in zip(seqs, tokens)], finished=finished)
+        if self.traces.maxlen != 0:
+            result.trace = self._trace(out, work, result, time.perf_counter() - t0)
+            self.traces.append(result.trace)
+        return result
 
     def prepare(self, out) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Pack the scheduled sequences into one batch: input_ids, positions [1, N] and metadata."""
@@ -151,15 +183,15 @@ class Engine:
         meta = AttentionMetadata.build(tables, context_lens, num_new, slots, len(out.decodes), device)
         return (torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), meta)
 
-    def _trace(self, out, slot_of, tokens, finished, seconds) -> StepTrace:
+    def _trace(self, out, work, result: StepOutput, seconds: float) -> StepTrace:
         slots = [SlotState(None, "empty", 0) for _ in range(self.config.max_num_seqs)]
-        for rid, (slot, phase, n) in slot_of.items():
-            slots[slot] = SlotState(rid, phase, n)
+        for request_id, slot, phase, num_tokens in work:
+            slots[slot] = SlotState(request_id, phase, num_tokens)
         num_tokens = sum(s.num_tokens for s in slots)
         return StepTrace(
             step=self.num_steps - 1, slots=slots,
             admitted=list(out.admitted),
-            finished=[(s.request_id, s.finish_reason) for s in finished],
+            finished=[(s.request_id, s.finish_reason) for s in result.finished],
             preempted=list(out.preempted),
             waiting=[s.request_id for s in self.scheduler.waiting],
             running=[s.request_id for s in self.scheduler.running],
@@ -168,5 +200,5 @@ class Engine:
             block_owners=self.allocator.block_owners(),
             num_tokens=num_tokens, num_useful_tokens=num_tokens,  # no padding, no idle rows
             time_s=seconds,
-            new_tokens=[(s.request_id, t) for s, t in zip(out.sequences, tokens)],
+            new_tokens=list(result.new_tokens),
         )

@@ -19,6 +19,7 @@ from typing import Iterator
 from minicb.engine import Engine, EngineConfig
 from minicb.model import Model
 from minicb.sampling import SamplingParams
+from minicb.scheduler import Sequence
 from minicb.trace import StepTrace
 
 
@@ -61,9 +62,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str = "float32",
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 32,
-                 attention: str = "torch", max_num_batched_tokens: int = 4096):
+                 attention: str = "torch", max_num_batched_tokens: int = 4096,
+                 keep_traces: int | None = None):
         """model: None for the embedded SmolLM2, a .gguf file, or an HF checkpoint directory.
-        device: None for cuda when available, else cpu."""
+        device: None for cuda when available, else cpu.
+        keep_traces: the StepTraces of each call to keep in `llm.traces` for the pictures:
+        None every step, N the last N, 0 none (for a long-running caller)."""
         from minicb.tokenizer import load_tokenizer
         from minicb.weights import load_model
 
@@ -76,19 +80,24 @@ class LLM:
                 raise  # the embedded model always has a tokenizer; this is a real error
         self._setup(net, tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs, attention=attention,
-            max_num_batched_tokens=max_num_batched_tokens))
+            max_num_batched_tokens=max_num_batched_tokens, keep_traces=keep_traces))
 
     @classmethod
     def from_model(cls, net: Model, tokenizer=None, **engine_config) -> "LLM":
-        """Wrap an already built model, e.g. `minicb.model.random_model()` in tests."""
+        """Wrap an already built model, e.g. `minicb.model.random_model()` in tests.
+        engine_config: EngineConfig's fields; keep_traces defaults to None (every step), as above."""
         llm = cls.__new__(cls)
-        llm._setup(net, tokenizer, EngineConfig(**engine_config))
+        llm._setup(net, tokenizer, EngineConfig(**{"keep_traces": None, **engine_config}))
         return llm
 
     def _setup(self, net: Model, tokenizer, config: EngineConfig) -> None:
         self.model, self.tokenizer = net, tokenizer
         self.engine = Engine(net, config)
-        self.traces: list[StepTrace] = []  # the last call's steps
+
+    @property
+    def traces(self) -> list[StepTrace]:
+        """The last call's steps (as many as keep_traces keeps), for minicb.viz and the bench."""
+        return list(self.engine.traces)
 
     # ---- turning user input into token ids -------------------------------------------
 
@@ -134,10 +143,13 @@ class LLM:
         return self._events(prompts, params, arrival_times)
 
     def _events(self, prompts, params, arrival_times) -> Iterator[StreamEvent]:
+        # Everything here comes from what engine.step() returns: the new tokens,
+        # and the finished requests, which the engine hands over and forgets.
         arrivals = sorted(range(len(prompts)), key=lambda i: arrival_times[i] if arrival_times else 0.0)
         start = time.perf_counter()
-        index_of: dict[int, int] = {}
-        self.traces = []
+        index_of: dict[int, int] = {}  # request id -> prompt index, for this call's requests
+        live: set[int] = set()  # this call's requests still waiting or running
+        self.engine.traces.clear()
         pending = list(arrivals)
         try:
             while pending or self.engine.has_unfinished():
@@ -145,20 +157,21 @@ class LLM:
                 while pending and (arrival_times is None or arrival_times[pending[0]] <= now):
                     i = pending.pop(0)
                     arrive = start + (arrival_times[i] if arrival_times else 0.0)
-                    index_of[self.engine.add_request(prompts[i], params[i], arrival_time=arrive)] = i
+                    rid = self.engine.add_request(prompts[i], params[i], arrival_time=arrive)
+                    index_of[rid] = i
+                    live.add(rid)
                 if not self.engine.has_unfinished():
                     time.sleep(max(0.0, arrival_times[pending[0]] - now))  # idle until the next arrival
                     continue
-                trace = self.engine.step()
-                self.traces.append(trace)
-                done = {rid for rid, _ in trace.finished}
-                for rid, token in trace.new_tokens:
-                    yield StreamEvent(index_of[rid], token,
-                                      self._output(rid, index_of[rid], start) if rid in done else None)
+                step = self.engine.step()
+                done = {seq.request_id: seq for seq in step.finished}
+                live -= done.keys()
+                for rid, token in step.new_tokens:
+                    output = self._output(done[rid], index_of[rid], start) if rid in done else None
+                    yield StreamEvent(index_of[rid], token, output)
         finally:
-            for rid in index_of:  # a caller that stops early leaves nothing running
-                if self.engine.sequences[rid].status != "finished":
-                    self.engine.abort(rid)
+            for rid in live:  # a caller that stops early leaves nothing running
+                self.engine.abort(rid)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, arrival_times: list[float] | None = None) -> list[RequestOutput]:
@@ -183,8 +196,8 @@ class LLM:
             conversations = [conversations]  # a single conversation
         return self.generate([self.tokenizer.apply_chat_template(c) for c in conversations], params, **kwargs)
 
-    def _output(self, rid: int, index: int, start: float) -> RequestOutput:
-        seq = self.engine.sequences[rid]
+    def _output(self, seq: Sequence, index: int, start: float) -> RequestOutput:
+        """A finished request's output, with times relative to `start`."""
         rel = (lambda t: None if t is None else t - start)
         return RequestOutput(
             index=index, prompt_token_ids=list(seq.prompt_token_ids), token_ids=list(seq.output_token_ids),

@@ -22,31 +22,50 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
 
 from minicb.block_allocator import BlockAllocator
 from minicb.sampling import SamplingParams, finish_reason
+
+if TYPE_CHECKING:  # the scheduler itself never touches a tensor
+    import torch
 
 
 class RequestRejected(ValueError):
     """A request that can never be served (too long for the context or the KV pool)."""
 
 
+class RequestStatus(str, Enum):
+    """Where a request is. A str too, so `seq.status == "running"` also reads true."""
+
+    WAITING = "waiting"  # in the queue: no slot, no blocks
+    RUNNING = "running"  # in a slot, with blocks for its tokens
+    FINISHED = "finished"  # ended (finish_reason says why); slot and blocks given back
+
+
 @dataclass
 class Sequence:
-    """One request's state from arrival to finish."""
+    """Everything the engine knows about one request, from arrival to finish.
+
+    There is no other record: the engine, the scheduler and the allocator hold a
+    request only while it waits or runs, and let go of this object in the step
+    that finishes it (or when it is aborted), by handing it out.
+    """
 
     request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.perf_counter() when it was added
     output_token_ids: list[int] = field(default_factory=list)
-    status: str = "waiting"  # "waiting" | "running" | "finished"
+    status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None  # which batch row it occupies while running
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # when its first output token was sampled
     finish_time: float | None = None
     num_preemptions: int = 0
+    generator: torch.Generator | None = None  # its own torch.Generator for seeded sampling (None: greedy or unseeded)
 
     @property
     def token_ids(self) -> list[int]:
@@ -126,14 +145,10 @@ class Scheduler:
                 f"or give the engine more num_blocks")
 
     def abort(self, request_id: int) -> Sequence | None:
-        for seq in list(self.waiting):
+        """Finish a waiting or running request with reason "abort"; None if there is no such request."""
+        for seq in list(self.waiting) + self.running:
             if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                self._finish(seq, "abort")
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self._finish(seq, "abort")
+                self.finish(seq, "abort")
                 return seq
         return None
 
@@ -154,15 +169,15 @@ class Scheduler:
         """Give every running request one more token slot, preempting the newest when blocks run out."""
         # Oldest first, so when blocks run out, the newest requests give theirs up.
         for seq in list(self.running):
-            if seq.status != "running":
+            if seq.status != RequestStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older request
             while not self.allocator.can_append(seq.request_id):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is seq:
                     break
-            if seq.status == "running":
+            if seq.status == RequestStatus.RUNNING:
                 copy = self.allocator.append(seq.request_id)
                 if copy is not None:
                     out.block_copies.append(copy)
@@ -184,7 +199,7 @@ class Scheduler:
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.allocator.allocate(seq.request_id, num_tokens)
-            seq.status, seq.num_computed_tokens = "running", 0
+            seq.status, seq.num_computed_tokens = RequestStatus.RUNNING, 0
             seq.slot = self.slots.index(None)
             self.slots[seq.slot] = seq
             self.running.append(seq)
@@ -200,32 +215,47 @@ class Scheduler:
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = finish_reason(token, len(seq.output_token_ids), seq.params, self.eos_token_ids)
-            if reason is None and seq.num_tokens >= self.max_model_len:
-                reason = "length"  # the context is full
+            reason = finish_reason(token, len(seq.output_token_ids), seq.params, self.eos_token_ids,
+                                   seq.num_tokens, self.max_model_len)
             if reason:
                 seq.finish_time = now
-                self._finish(seq, reason)
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
     # ---- moving sequences between the queues --------------------------------------
 
+    # The exercise's methods call preempt() and finish(); _release() is theirs alone.
+
     def _release(self, seq: Sequence) -> None:
+        """Give a running sequence's blocks back to the allocator and empty its slot."""
         self.allocator.free(seq.request_id)
         self.running.remove(seq)
         self.slots[seq.slot] = None
         seq.slot = None
 
-    def _preempt(self, seq: Sequence) -> None:
-        # Recompute, not swap: drop its K/V entirely. Its outputs so far are kept,
-        # and on re-admission prompt + outputs are prefilled in one go.
+    def preempt(self, seq: Sequence) -> None:
+        """Send a running sequence back to the FRONT of the queue, dropping its K/V.
+
+        Recompute, not swap: its blocks are freed and its slot emptied. Its
+        outputs so far are kept, and on re-admission prompt + outputs are
+        prefilled in one go (num_computed_tokens goes back to 0). Counts the
+        preemption in seq.num_preemptions. The caller records it in out.preempted.
+        """
         self._release(seq)
-        seq.status, seq.num_computed_tokens = "waiting", 0
+        seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.status == "running":
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence for good: "stop", "length" or "abort".
+
+        A running sequence gives back its slot and blocks at once; a waiting one
+        leaves the queue. Afterwards the scheduler holds nothing of it. The caller
+        sets seq.finish_time if it wants one.
+        """
+        if seq.status == RequestStatus.RUNNING:
             self._release(seq)
-        seq.status, seq.finish_reason = "finished", reason
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = RequestStatus.FINISHED, reason

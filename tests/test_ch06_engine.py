@@ -39,19 +39,23 @@ def test_stress_random_arrivals_with_preemption(tiny):
         while pending and requests[pending[0]][0] <= step:
             i = pending.pop(0)
             rid_of[engine.add_request(requests[i][1], requests[i][2])] = i
-        trace = engine.step()
-        finished += [rid for rid, _ in trace.finished]
-        preemptions += len(trace.preempted)
+        out = engine.step()
+        finished += out.finished
+        preemptions += sum(seq.num_preemptions for seq in out.finished)
         step += 1
         assert step < 5000, "the engine stopped making progress"
-    assert sorted(finished) == sorted(rid_of), "every request must finish exactly once"
-    assert preemptions > 0, "the pool was meant to force preemption"
-    assert engine.allocator.num_free_blocks == 24, "every block must be free at the end"
-    for rid, i in rid_of.items():
-        _, prompt, params = requests[i]
+    finished_ids = sorted(seq.request_id for seq in finished)
+    assert finished_ids == sorted(rid_of), (f"every request must finish exactly once: {len(rid_of)} added, "
+                                            f"{len(finished)} finished, {len(set(finished_ids))} distinct")
+    assert preemptions > 0, "the pool was meant to force preemption, but no request was ever preempted"
+    assert engine.allocator.num_free_blocks == 24, (f"every block must be free at the end, but only "
+                                                    f"{engine.allocator.num_free_blocks} of 24 are")
+    for seq in finished:
+        _, prompt, params = requests[rid_of[seq.request_id]]
         want = generate_with_cache(tiny, prompt, params).token_ids
-        got = engine.sequences[rid].output_token_ids
-        assert got == want, f"request {i}: {first_difference(got, want, ('engine', 'chapter 01'))}"
+        got = seq.output_token_ids
+        assert got == want, (f"request {rid_of[seq.request_id]}: "
+                             f"{first_difference(got, want, ('engine', 'chapter 01'))}")
 
 
 @pytest.mark.task(1)
