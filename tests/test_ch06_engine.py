@@ -100,11 +100,14 @@ def test_streaming_and_metrics(tiny):
     events = list(llm.stream(prompts, SamplingParams(max_tokens=4), arrival_times=[0.0, 0.0, 0.05]))
     per_request = {i: [e.token_id for e in events if e.index == i] for i in range(3)}
     finals = {e.index: e.output for e in events if e.output is not None}
-    assert sorted(finals) == [0, 1, 2]
+    assert sorted(finals) == [0, 1, 2], f"each of the 3 prompts must end once in the stream; ended: {sorted(finals)}"
     for i, out in finals.items():
-        assert per_request[i] == out.token_ids, "the stream must carry exactly the final tokens"
+        assert per_request[i] == out.token_ids, (f"prompt {i}: the stream carried {per_request[i]}, but its "
+                                                 f"output says {out.token_ids}")
         m = out.metrics
-        assert m.arrival_time <= m.first_token_time <= m.finish_time
+        assert m.arrival_time <= m.first_token_time <= m.finish_time, (
+            f"prompt {i}: want arrival <= first token <= finish, got {m.arrival_time:.4f}, "
+            f"{m.first_token_time:.4f}, {m.finish_time:.4f}")
     assert finals[2].metrics.arrival_time >= 0.05 - 1e-3, "request 2 must not arrive early"
 
 
@@ -116,7 +119,8 @@ def test_triton_backend_matches_torch_backend(tiny):
     for backend in ("torch", "triton"):
         llm = LLM.from_model(tiny, num_blocks=16, block_size=4, attention=backend)
         runs[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert runs["torch"] == runs["triton"]
+    for i, (a, b) in enumerate(zip(runs["torch"], runs["triton"])):
+        assert a == b, f"prompt {i}: {first_difference(a, b, ('torch', 'triton'))}"
 
 
 # ---- the real model

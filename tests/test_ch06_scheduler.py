@@ -29,6 +29,10 @@ def seq(rid, prompt_len, max_tokens=8):
     return sched().Sequence(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens))
 
 
+def ids(seqs) -> list[int]:
+    return [q.request_id for q in seqs]
+
+
 def run_step(s, token=7):
     out = s.schedule()
     finished = s.postprocess(out, [token] * len(out.sequences), now=0.0)
@@ -41,16 +45,20 @@ def test_admits_into_free_slots_and_batches_decodes_with_prefills():
     for i in range(3):
         s.add(seq(i, prompt_len=3, max_tokens=2 + i))
     out, _ = run_step(s)
-    assert [q.request_id for q in out.prefills] == [0, 1] and out.decodes == []
-    assert [q.request_id for q in s.waiting] == [2], "a third request must wait: only 2 slots"
+    assert (ids(out.prefills), ids(out.decodes)) == ([0, 1], []), (
+        f"step 1 should prefill requests 0 and 1 into the 2 free slots; it prefilled {ids(out.prefills)} "
+        f"and decoded {ids(out.decodes)}")
+    assert ids(s.waiting) == [2], f"a third request must wait (only 2 slots); waiting is {ids(s.waiting)}"
     # Step 2: request 0 finishes (max_tokens 2), so its slot frees at the end of this step.
     out, finished = run_step(s)
-    assert [q.request_id for q in out.decodes] == [0, 1]
-    assert [q.request_id for q in finished] == [0]
+    assert ids(out.decodes) == [0, 1], f"step 2 should decode requests 0 and 1, it decoded {ids(out.decodes)}"
+    assert ids(finished) == [0], f"request 0 reaches max_tokens=2 in step 2; finished: {ids(finished)}"
     # Step 3: request 2 takes the freed slot while request 1 keeps decoding: one mixed step.
     out, _ = run_step(s)
-    assert [q.request_id for q in out.decodes] == [1] and [q.request_id for q in out.prefills] == [2]
-    assert out.prefills[0].slot == 0, "the refill goes into the slot request 0 left"
+    assert (ids(out.decodes), ids(out.prefills)) == ([1], [2]), (
+        f"step 3 should refill request 0's slot with request 2 while request 1 decodes (one mixed step); "
+        f"it decoded {ids(out.decodes)} and prefilled {ids(out.prefills)}")
+    assert out.prefills[0].slot == 0, f"the refill goes into slot 0, which request 0 left; got slot {out.prefills[0].slot}"
 
 
 @pytest.mark.task(2)
@@ -58,11 +66,15 @@ def test_finished_sequences_free_their_blocks_at_once():
     s = make(num_blocks=8, block_size=4, max_num_seqs=4)
     s.add(seq(0, prompt_len=5, max_tokens=1))
     out, finished = run_step(s)
-    assert [q.request_id for q in finished] == [0] and finished[0].finish_reason == "length"
-    assert s.allocator.num_free_blocks == 8, "a finished sequence must return every block"
+    assert ids(finished) == [0] and finished[0].finish_reason == "length", (
+        f"request 0 (max_tokens=1) must finish with 'length' after its first token; finished "
+        f"{[(q.request_id, q.finish_reason) for q in finished]}")
+    assert s.allocator.num_free_blocks == 8, (f"a finished sequence must return every block at once: "
+                                              f"{s.allocator.num_free_blocks} of 8 are free")
     s.add(seq(1, prompt_len=2, max_tokens=5))
     _, finished = run_step(s, token=EOS)
-    assert finished[0].finish_reason == "stop" and finished[0].output_token_ids == [EOS]
+    got = [(q.request_id, q.finish_reason, q.output_token_ids) for q in finished]
+    assert got == [(1, "stop", [EOS])], f"EOS must finish request 1 with 'stop', keeping the EOS token; got {got}"
 
 
 @pytest.mark.task(3)
@@ -74,12 +86,16 @@ def test_preempts_newest_and_requeues_it_first():
     s.add(seq(1, prompt_len=3, max_tokens=5))
     run_step(s)  # prefill both (positions 0-2 each)
     out, _ = run_step(s)  # decode at position 3: still inside block 2 of each
-    assert out.preempted == []
+    assert out.preempted == [], f"position 3 fits in each request's second block; preempted {out.preempted}"
     out, _ = run_step(s)  # position 4 needs a third block each: only the oldest gets one
     assert out.preempted == [1], f"the newest request must be preempted, got {out.preempted}"
-    assert [q.request_id for q in out.decodes] == [0]
-    assert s.waiting[0].request_id == 1 and s.waiting[0].num_computed_tokens == 0
-    assert s.waiting[0].output_token_ids == [7, 7], "outputs so far are kept for the recompute"
+    assert ids(out.decodes) == [0], f"only request 0 still decodes after the preemption; decodes {ids(out.decodes)}"
+    front = s.waiting[0] if s.waiting else None
+    assert front is not None and (front.request_id, front.num_computed_tokens) == (1, 0), (
+        f"the preempted request 1 must wait at the front of the queue with nothing computed; the queue is "
+        f"{[(q.request_id, q.num_computed_tokens) for q in s.waiting]} as (id, num_computed_tokens)")
+    assert front.output_token_ids == [7, 7], (f"outputs so far are kept for the recompute: want [7, 7], "
+                                              f"got {front.output_token_ids}")
 
 
 @pytest.mark.task(3)
@@ -100,7 +116,9 @@ def test_a_request_that_can_never_finish_is_rejected_up_front():
         out, done = run_step(s)
         finished, preempted = finished + done, preempted + out.preempted
     assert [q.request_id for q in finished] == [3], f"finished {[q.request_id for q in finished]}, want [3]"
-    assert preempted == [] and s.allocator.num_free_blocks == 4, (preempted, s.allocator.num_free_blocks)
+    assert preempted == [] and s.allocator.num_free_blocks == 4, (
+        f"alone, it must finish without preemption and free all 4 blocks; preempted {preempted}, "
+        f"{s.allocator.num_free_blocks} blocks free")
 
 
 @pytest.mark.task(1)
@@ -109,11 +127,13 @@ def test_token_budget_caps_prefill_but_never_starves():
     for i in range(3):
         s.add(seq(i, prompt_len=6))
     out, _ = run_step(s)
-    assert [q.request_id for q in out.prefills] == [0], "a second 6-token prefill would exceed 10 tokens"
+    assert ids(out.prefills) == [0], (f"a budget of 10 tokens fits one 6-token prefill, not two; "
+                                      f"prefilled {ids(out.prefills)}")
     s2 = make(num_blocks=64, budget=4)
     s2.add(seq(0, prompt_len=9))
     out, _ = run_step(s2)
-    assert [q.request_id for q in out.prefills] == [0], "a prompt over the budget still runs when alone"
+    assert ids(out.prefills) == [0], (f"a 9-token prompt over the 4-token budget still runs when the step has "
+                                      f"nothing else to do; prefilled {ids(out.prefills)}")
 
 
 @pytest.mark.task(2)
@@ -122,5 +142,8 @@ def test_abort_frees_everything():
     s.add(seq(0, prompt_len=3))
     s.add(seq(1, prompt_len=3))
     run_step(s)
-    assert s.abort(0).finish_reason == "abort" and s.abort(1).finish_reason == "abort"
-    assert not s.has_unfinished() and s.allocator.num_free_blocks == 16
+    reasons = [s.abort(0).finish_reason, s.abort(1).finish_reason]  # 0 running, 1 waiting
+    assert reasons == ["abort", "abort"], f"aborted requests end with 'abort', got {reasons}"
+    assert not s.has_unfinished() and s.allocator.num_free_blocks == 16, (
+        f"after aborting both, nothing may wait or run and all 16 blocks be free: waiting {ids(s.waiting)}, "
+        f"running {ids(s.running)}, {s.allocator.num_free_blocks} free")
