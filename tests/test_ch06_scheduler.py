@@ -136,6 +136,56 @@ def test_token_budget_caps_prefill_but_never_starves():
                                       f"nothing else to do; prefilled {ids(out.prefills)}")
 
 
+@pytest.mark.task(1)
+def test_nobody_overtakes_the_head_of_the_queue():
+    # 6 blocks of 4 tokens. After its first decode, request 0 (8 + 1 tokens) holds 3
+    # blocks and 3 are free. Request 1 (17 tokens) needs 5, so it waits; request 2
+    # (2 tokens) would fit in 1 block, but it must wait behind request 1.
+    s = make(num_blocks=6, block_size=4, max_num_seqs=4)
+    s.add(seq(0, prompt_len=8, max_tokens=8))
+    run_step(s)
+    s.add(seq(1, prompt_len=17, max_tokens=1))
+    s.add(seq(2, prompt_len=2, max_tokens=1))
+    out, _ = run_step(s)
+    assert ids(out.prefills) == [], (f"request 1 needs 5 blocks and only 4 are free, so it waits, and request 2 "
+                                     f"must not overtake it (FIFO); prefilled {ids(out.prefills)}")
+    assert ids(s.waiting) == [1, 2], f"the queue must stay [1, 2], got {ids(s.waiting)}"
+
+
+@pytest.mark.task(1)
+def test_the_watermark_is_kept_free_while_others_run():
+    # 20 blocks of 4, watermark 10% = 2 blocks. Request 0 runs with 1 block; 19 are free.
+    s = make(num_blocks=20, block_size=4, max_num_seqs=4, watermark=0.1)
+    assert s.watermark_blocks == 2
+    s.add(seq(0, prompt_len=3, max_tokens=8))
+    run_step(s)
+    s.add(seq(1, prompt_len=4 * 18, max_tokens=1))  # 18 blocks: fits the 19 free, not 19 - 2
+    out, _ = run_step(s)
+    assert ids(out.prefills) == [], (f"with others running, admission must leave watermark_blocks = 2 free: "
+                                     f"request 1 needs 18 of 19 free blocks, so it waits; prefilled "
+                                     f"{ids(out.prefills)}")
+    # Alone, the same request is admitted: the watermark protects running requests only.
+    lone = make(num_blocks=20, block_size=4, max_num_seqs=4, watermark=0.1)
+    lone.add(seq(1, prompt_len=4 * 19, max_tokens=1))  # 19 of 20 blocks, with nothing running
+    out, _ = run_step(lone)
+    assert ids(out.prefills) == [1], (f"with nothing running the watermark does not apply: a request needing "
+                                      f"19 of 20 free blocks is admitted; prefilled {ids(out.prefills)}")
+
+
+@pytest.mark.task(2)
+def test_a_full_context_finishes_with_length():
+    s = make(max_model_len=6)
+    s.add(seq(0, prompt_len=4, max_tokens=10))
+    finished = []
+    for _ in range(3):
+        if s.has_unfinished():
+            finished += run_step(s)[1]
+    got = [(q.request_id, q.finish_reason, len(q.output_token_ids)) for q in finished]
+    assert got == [(0, "length", 2)], (f"a 4-token prompt in a 6-token context gets 2 tokens and ends with "
+                                       f"'length' (max_tokens is 10); got (id, reason, tokens) {got}")
+    assert s.allocator.num_free_blocks == 16, f"its blocks must be free: {s.allocator.num_free_blocks} of 16"
+
+
 @pytest.mark.task(2)
 def test_abort_frees_everything():
     s = make(max_num_seqs=1)
