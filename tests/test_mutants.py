@@ -1,0 +1,119 @@
+"""The grader, graded: `python -m minicb check N` must fail planted bugs.
+
+A chapter's tests are only as good as the bugs they catch. Each mutant below is
+the reference module with one realistic mistake planted in one task's code,
+the kind a class of students makes (a ref count forgotten, a queue overtaken,
+a mask off by one). It is written out as an exercise file and graded with
+`check N --file` exactly as a teacher would grade a submission. The grade must
+fail, on a real test failure (not an import or collection error).
+
+Every task of every chapter with an exercise has at least one mutant
+(`test_every_task_has_a_mutant`), so a new chapter cannot ship tests that pass
+anything. The mutants are plain text edits of the reference source: when the
+reference changes so that an edit no longer applies, the test says which.
+"""
+from __future__ import annotations
+
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+
+from minicb import check, impl
+
+pytestmark = pytest.mark.slow  # one pytest run per mutant: a few minutes in all
+
+
+@dataclass
+class Mutant:
+    chapter: int
+    task: int
+    bug: str  # what a student got wrong, in words
+    target: str  # "function" or "Class.method" of the chapter's reference module
+    edits: list[tuple[str, str]]  # (old, new) text replacements in the target's source
+
+
+MUTANTS = [
+    # ---- chapter 03: the block allocator
+    Mutant(3, 1, "a failed allocate leaves the sequence registered", "BlockAllocator.allocate",
+           [("        needed = self.blocks_needed(num_tokens)\n",
+             "        needed = self.blocks_needed(num_tokens)\n        self._block_tables[seq_id] = []\n")]),
+    Mutant(3, 2, "append writes into a shared last block instead of copying it", "BlockAllocator.append",
+           [("elif self._ref_counts[table[-1]] > 1:", "elif False:")]),
+    Mutant(3, 3, "fork forgets to count the child's reference to each block", "BlockAllocator.fork",
+           [("self._ref_counts[block] += 1", "pass")]),
+    Mutant(3, 4, "slot_mapping is off by one inside each block", "BlockAllocator.slot_mapping",
+           [("table[position // size] * size + position % size", "table[position // size] * size + (position + 1) % size")]),
+    Mutant(3, 5, "paged memory rounds the last block down, not up", "memory_waste",
+           [("math.ceil(length / block_size)", "(length // block_size)")]),
+    # ---- chapter 06: the scheduler
+    Mutant(6, 1, "admit allocates the prompt only, not prompt + outputs, when a preempted request returns",
+           "Scheduler.admit",
+           [("self.allocator.allocate(seq.request_id, num_tokens)",
+             "self.allocator.allocate(seq.request_id, len(seq.prompt_token_ids))")]),
+    Mutant(6, 1, "later requests overtake the head of the queue when it does not fit", "Scheduler.admit",
+           [("    while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:\n"
+             "        seq = self.waiting[0]\n",
+             "    for seq in list(self.waiting):\n"
+             "        if out.preempted or len(self.running) >= self.max_num_seqs:\n"
+             "            break\n"),
+            ("            break  # FIFO: nobody overtakes the head of the queue\n        self.waiting.popleft()",
+             "            continue\n        self.waiting.remove(seq)")]),
+    Mutant(6, 1, "admission ignores the watermark", "Scheduler.admit",
+           [("reserve = self.watermark_blocks if self.running else 0", "reserve = 0")]),
+    Mutant(6, 2, "postprocess never finishes a sequence whose context is full", "Scheduler.postprocess",
+           [("seq.num_tokens, self.max_model_len)", "seq.num_tokens, 10**9)")]),
+    Mutant(6, 3, "schedule_decodes preempts the oldest running request, not the newest",
+           "Scheduler.schedule_decodes", [("victim = self.running[-1]", "victim = self.running[0]")]),
+]
+
+
+def mutant_source(mutant: Mutant) -> str:
+    """An exercise file: the reference module's names, with the target redefined with the bug."""
+    module = impl.module_for_chapter(mutant.chapter)
+    reference = __import__(f"minicb.{module}", fromlist=["_"])
+    owner, _, method = mutant.target.rpartition(".")
+    code = getattr(getattr(reference, owner), method) if owner else getattr(reference, mutant.target)
+    source = textwrap.dedent(inspect.getsource(code))
+    for old, new in mutant.edits:
+        assert old in source, (f"chapter {mutant.chapter} mutant '{mutant.bug}': the reference's "
+                               f"{mutant.target} no longer contains {old!r}; update the mutant")
+        source = source.replace(old, new, 1)
+    lines = [f"import minicb.{module} as _reference",
+             "globals().update({k: v for k, v in vars(_reference).items() if not k.startswith('__')})", ""]
+    if owner:
+        lines += [f"class {owner}(_reference.{owner}):", textwrap.indent(source, "    ")]
+    else:
+        lines += [source]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"ch{m.chapter}-task{m.task}-{m.bug[:40]}")
+def test_check_fails_the_mutant(mutant, tmp_path):
+    path = tmp_path / f"mutant_ch{mutant.chapter}.py"
+    path.write_text(mutant_source(mutant))
+    # -x: the first failing test is enough; hypothesis' 10,000 cases would take a minute.
+    report = check.run_tests(mutant.chapter, path, ["-m", "not slow", "-x", "-k", "not hypothesis"])
+    assert not report.errors, f"the mutant did not even load, so this proves nothing: {report.errors}"
+    failed = [r for r in report.results if r.outcome == "failed"]
+    assert failed, (f"check {mutant.chapter} passed a submission whose task {mutant.task} has a bug: "
+                    f"{mutant.bug} ({len(report.results)} tests ran)")
+
+
+def test_the_unmutated_reference_passes(tmp_path):
+    # The control: the same file-writing with no edit must pass, or the catches above prove nothing.
+    path = tmp_path / "reference_ch6.py"
+    path.write_text(mutant_source(Mutant(6, 1, "none", "Scheduler.admit", [])))
+    report = check.run_tests(6, path, ["-m", "not slow"])
+    assert report.passed, (f"the reference, written out as an exercise file, should pass check 6: "
+                           f"{[(r.nodeid, r.message) for r in report.results if r.outcome == 'failed']} "
+                           f"{report.errors}")
+
+
+def test_every_task_has_a_mutant():
+    for module, (chapter, _) in impl.CHAPTERS.items():
+        text = impl.exercise_path(module).read_text()
+        tasks = {int(t) for t in __import__("re").findall(rf"Chapter {chapter}, task (\d+)", text)}
+        covered = {m.task for m in MUTANTS if m.chapter == chapter}
+        assert tasks <= covered, f"chapter {chapter}: tasks {sorted(tasks - covered)} have no mutant in MUTANTS"
