@@ -271,3 +271,15 @@ def test_chapter06_grades_each_task_on_its_own(tmp_path):
         messages = {r.message.split(" —")[0] for r in results[task] if r.outcome == "failed"}
         assert messages == {f"NotImplementedError: Chapter 6, task {task}: Scheduler.{method}()"}, \
             f"task {task}'s tests should fail on its own stub only; they failed with {messages}"
+
+
+def test_grade_table_wraps_the_whole_first_failure_line():
+    # The end of a message is often what matters: the value seen, or the link to the text.
+    message = ("AssertionError: after seq 1 copied block 1, seq 0 is its only holder and writes in place; "
+               "append(0) returned copy (1, 3)")
+    report = check.Report(results=[check.TestResult("t::a", 1, "passed"), check.TestResult("t::b", 3, "failed", message)])
+    table = check.format_table(report, width=60)
+    assert all(len(line) <= 60 for line in table.splitlines()), f"lines wider than 60:\n{table}"
+    rows = table.splitlines()
+    column = rows[0].index("first failure")
+    assert " ".join(line[column:].strip() for line in rows[2:]) == message, f"the message was cut or garbled:\n{table}"
