@@ -21,11 +21,11 @@ import sys
 
 import torch
 
+from minicb.bench.report import machine_info, markdown_table, write_report
 from minicb.bench.runners import (ENGINES, check_minicb_agrees, hf_batch_runner, kv_blocks_for,
                                   minicb_batch_runner, run_hf_continuous, run_minicb_continuous,
                                   run_workload, serve_in_batches)
 from minicb.bench.workloads import WORKLOADS, Request, build_requests
-from minicb.bench.report import machine_info, markdown_table, write_report
 from minicb.cli_args import add_model_args
 from minicb.llm import LLM
 

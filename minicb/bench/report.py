@@ -21,9 +21,6 @@ import platform
 
 import torch
 
-# ----------------------------------------------------------------------------
-# A markdown table, a PNG, and the facts about the machine.
-
 
 def _fmt(value, spec: str, suffix: str = "", scale: float = 1.0) -> str:
     return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
