@@ -10,13 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    # The same three flags on every command that loads a model; their values go
-    # to minicb.weights.load_model, which names the allowed choices when one is wrong.
-    p.add_argument("--model", default=None, help="a .gguf file or HF checkpoint directory (default: embedded SmolLM2)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+from minicb.cli_args import add_model_args  # --model, --device, --dtype (bench adds them too)
 
 
 def cmd_generate(args) -> int:
@@ -87,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
 
     if args.command == "bench":
-        from minicb.bench import main as bench_main
+        from minicb.bench.cli import main as bench_main
         return bench_main(rest)
     if args.command == "check":
         from minicb.check import main as check_main

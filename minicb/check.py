@@ -5,8 +5,9 @@ chapters/NN-slug/exercise.py -- or against PATH with --file, which is how a
 teacher grades a submission -- and prints one row per task:
 
     task  passed  status  first failure
-    1     9/9     PASS
-    2     0/4     FAIL    NotImplementedError: Chapter 3, task 2: append() -- see ...
+    1     12/12   PASS
+    2     0/4     FAIL    NotImplementedError: Chapter 3, task 2: append() — see
+                          chapters/03-block-allocation/README.md#task-2
 
 The exit code is 0 only when every test ran and passed (tests that skip
 themselves, such as GPU-only ones on a laptop, are not failures).
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass, field
 
 from minicb import impl
@@ -169,7 +171,12 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
 
 
 def format_table(report: Report, width: int = 100) -> str:
-    """One row per task: task | passed/total | status | first failure (cut to `width`)."""
+    """One row per task: task | passed/total | status | first failure (wrapped to `width`).
+
+    The failure message is kept whole, since its end is often the part that says
+    what differed ("... want 2, got 4") or where to read ("see chapters/..."):
+    it wraps onto more lines, indented under its column, instead of being cut.
+    """
     by_task: dict[int | None, list[TestResult]] = {}
     for result in report.results:
         by_task.setdefault(result.task, []).append(result)
@@ -182,12 +189,16 @@ def format_table(report: Report, width: int = 100) -> str:
         status = "FAIL" if failures else ("PASS" if passed else "SKIP")
         count = f"{passed}/{len(results)}" + (f" ({skipped} skipped)" if skipped else "")
         rows.append(("?" if task is None else str(task), count, status, failures[0].message if failures else ""))
-    # The message column is last and unpadded, so only it gets cut to fit the terminal.
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    indent = sum(widths) + 2 * 3  # where the message column starts
+    # Below 30 characters a wrapped message reads as a word per line; then let the terminal wrap it.
+    room = max(width - indent, 30)
     lines = []
     for row in rows:
-        line = "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3]
-        lines.append(line if len(line) <= width else line[:width - 3] + "...")
+        start = "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  "
+        wrapped = textwrap.wrap(row[3], room, break_long_words=False, break_on_hyphens=False) or [""]
+        lines.append(start + wrapped[0])
+        lines += [" " * indent + more for more in wrapped[1:]]
     return "\n".join(line.rstrip() for line in lines)
 
 

@@ -12,9 +12,16 @@ and get:
   `python -m minicb check N --file ...`, e.g. to grade a submission).
 
 `MINICB_IMPL_ONLY=scheduler` narrows either switch to one chapter module and
-keeps the reference for the rest. `check N` sets it, so grading chapter 06 runs
+keeps the reference for the rest; a comma-separated list narrows it to several
+(`MINICB_IMPL_ONLY=block_allocator,scheduler` runs your allocator under your
+scheduler). `check N` sets it to chapter N's module, so grading chapter 06 runs
 the student's scheduler on the reference block allocator and attention: one
 chapter's stubs never fail another chapter's grade.
+
+A file is executed once and then cached, so the engine can call `load()` every
+step for free. The cache is keyed on the file's path, modification time and
+size: save an edited file and the next `load()` runs the new version.
+`load_file(..., reload=True)` runs it again regardless.
 """
 from __future__ import annotations
 
@@ -61,26 +68,58 @@ def which() -> str:
     return choice
 
 
-def load_file(path: str | os.PathLike, name: str) -> ModuleType:
-    """Import a Python file as a module named `name` (fresh each call)."""
-    path = pathlib.Path(path)
+# (resolved path, module name) -> ((mtime_ns, size) when it was executed, the module)
+_loaded: dict[tuple[pathlib.Path, str], tuple[tuple[int, int], ModuleType]] = {}
+
+
+def load_file(path: str | os.PathLike, name: str, reload: bool = False) -> ModuleType:
+    """Import a Python file as a module named `name`.
+
+    The same file (same path, modification time and size) under the same name
+    gives the same module object without running it again; an edited file, or
+    reload=True, is executed afresh. Either way sys.modules[name] is the module
+    returned, because dataclasses and pickle look classes up there.
+    """
+    path = pathlib.Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"exercise file not found: {path}")
+    info = path.stat()
+    stamp = (info.st_mtime_ns, info.st_size)
+    cached = _loaded.get((path, name))
+    if cached is not None and cached[0] == stamp and not reload:
+        sys.modules[name] = cached[1]
+        return cached[1]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses need the module registered while it executes
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a half-run module must not be found later, by us or by pickle
+        _loaded.pop((path, name), None)
+        raise
+    _loaded[path, name] = (stamp, module)
     return module
+
+
+def only_modules() -> set[str] | None:
+    """The chapter modules MINICB_IMPL_ONLY names (comma-separated), or None when it is unset or empty."""
+    raw = os.environ.get("MINICB_IMPL_ONLY", "")
+    names = {part.strip() for part in raw.split(",") if part.strip()}
+    unknown = sorted(names - set(CHAPTERS))
+    if unknown:
+        raise ValueError(f"MINICB_IMPL_ONLY={raw!r}: {', '.join(map(repr, unknown))} "
+                         f"{'is not a chapter module' if len(unknown) == 1 else 'are not chapter modules'}; "
+                         f"known: {', '.join(sorted(CHAPTERS))} (separate several with commas)")
+    return names or None
 
 
 def load(module: str) -> ModuleType:
     """The implementation of chapter `module` the tests should exercise."""
     if module not in CHAPTERS:
         raise ValueError(f"unknown chapter module {module!r}; known: {sorted(CHAPTERS)}")
-    only = os.environ.get("MINICB_IMPL_ONLY")
-    if only and only not in CHAPTERS:
-        raise ValueError(f"MINICB_IMPL_ONLY={only!r} is not a chapter module; known: {sorted(CHAPTERS)}")
-    if only and module != only:
+    only = only_modules()
+    if only is not None and module not in only:
         return importlib.import_module(f"minicb.{module}")
     override = os.environ.get("MINICB_IMPL_FILE")
     if override:

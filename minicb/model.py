@@ -235,16 +235,24 @@ class DenseAttention:
 
 
 def random_model(cfg: ModelConfig | None = None, seed: int = 0) -> Model:
-    """A small model with random weights, for tests and shape-only notebooks."""
+    """A small model with random weights, for tests and shape-only notebooks.
+
+    The same `seed` gives the same weights, and the global torch RNG is left
+    alone: the weights come from a private generator, so calling this does not
+    change what the caller's own torch.randn draws next.
+    """
     cfg = cfg or tiny_config()
-    torch.manual_seed(seed)
-    model = Model(cfg)
+    # nn.Linear's own initialisation draws from the global RNG; fork_rng puts the
+    # global state back afterwards. Every parameter is overwritten below anyway.
+    with torch.random.fork_rng(devices=[]):
+        model = Model(cfg)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if name.endswith("norm.weight"):  # RMSNorm gains near 1, as in a trained model
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
             else:
-                p.normal_(0.0, 0.5 / math.sqrt(p.shape[-1]))
+                p.normal_(0.0, 0.5 / math.sqrt(p.shape[-1]), generator=generator)
     return model.eval()
 
 

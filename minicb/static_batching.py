@@ -128,8 +128,8 @@ def run_batch(model: Model, prompts: list[list[int]], params: list[SamplingParam
             if reasons[row]:
                 finished_now.append((request_ids[row], reasons[row]))
         done = all(r is not None for r in reasons)
-        traces.append(_trace(len(traces), request_ids, phases, tokens_this_step, finished_now,
-                             done, num_slots, P if phases[0] == "prefill" else 1, time.perf_counter() - t0))
+        traces.append(step_trace(len(traces), request_ids, phases, tokens_this_step, finished_now,
+                                 done, num_slots, P if phases[0] == "prefill" else 1, time.perf_counter() - t0))
         if done:
             break
         # Decode: every row runs, finished or not -- that is the price of a static batch.
@@ -149,7 +149,21 @@ def run_batch(model: Model, prompts: list[list[int]], params: list[SamplingParam
     return [Generation(o, r) for o, r in zip(outputs, reasons)]
 
 
-def _trace(step, request_ids, phases, tokens, finished, done, num_slots, width, seconds) -> StepTrace:
+def step_trace(step: int, request_ids: list[int], phases: list[str], tokens: list[int],
+               finished: list[tuple[int, str]], done: bool, num_slots: int, width: int,
+               seconds: float) -> StepTrace:
+    """The StepTrace of one forward of a static batch (one entry per row, in row order).
+
+    step: index of this forward in the whole run (len(traces) before appending);
+    request_ids: the batch's request ids; phases: per row "prefill" at the first
+    forward, then "decode" (live) or "wasted" (already finished); tokens: per
+    row, the prompt length at the prefill, then 1 (live) or 0; finished: the
+    (request id, reason) of rows that ended at this step; done: every row has
+    ended; num_slots: the batch size, so a short last batch shows empty slots;
+    width: columns each row computed (P at the prefill, else 1); seconds: the
+    forward's duration. chapter 06's engine records the same fields, so
+    minicb.viz draws both runs alike.
+    """
     slots = [SlotState(rid, ph, n) for rid, ph, n in zip(request_ids, phases, tokens)]
     slots += [SlotState(None, "empty", 0)] * (num_slots - len(slots))  # a short last batch
     return StepTrace(
@@ -164,8 +178,14 @@ def _trace(step, request_ids, phases, tokens, finished, done, num_slots, width, 
 
 
 def run_static(model: Model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-               batch_size: int = 16) -> StaticResult:
-    """Serve `prompts` in consecutive static batches of `batch_size`, in order."""
+               batch_size: int = 16, batch_runner=None) -> StaticResult:
+    """Serve `prompts` in consecutive static batches of `batch_size`, in order.
+
+    batch_runner: what generates one batch, with run_batch's signature (above);
+    None means this file's run_batch. Chapter 02's exercise passes the student's
+    run_batch, so this same loop drives their code.
+    """
+    batch_runner = batch_runner or run_batch
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}; it must be >= 1")
     params = params if isinstance(params, list) else [params] * len(prompts)
@@ -176,8 +196,8 @@ def run_static(model: Model, prompts: list[list[int]], params: SamplingParams | 
     stats, traces, generations = StaticStats(), [], []
     for start in range(0, len(prompts), batch_size):
         batch = list(range(start, min(start + batch_size, len(prompts))))
-        generations += run_batch(model, [prompts[i] for i in batch], [params[i] for i in batch],
-                                 stats, traces, batch, batch_size)
+        generations += batch_runner(model, [prompts[i] for i in batch], [params[i] for i in batch],
+                                    stats, traces, batch, batch_size)
     # The waiting queue in each trace: every request that has not started yet.
     started = 0
     for t in traces:

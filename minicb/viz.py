@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import colorsys
 import io
-import os
 import shutil
-import sys
 
 from minicb.trace import SlotState, StepTrace
 
@@ -235,17 +233,25 @@ def timeline_text(traces: list[StepTrace], *, width: int | None = None, color: b
 # the same code serves a notebook figure, the saved comparison PNG and the frames
 # of the StepPlayer widget (which never touches pyplot, so frames pile up nowhere).
 
-def _pyplot():
-    """pyplot, on the Agg backend when there is no screen to draw on (CI, ssh, scripts)."""
-    import matplotlib
+def _new_figure(on_screen: bool, **subplots):
+    """(figure, axes) for the plot_* functions; `subplots` go to Figure.subplots.
 
-    has_display = ("ipykernel" in sys.modules or sys.platform in ("darwin", "win32")
-                   or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")))
-    if "matplotlib.pyplot" not in sys.modules and not os.environ.get("MPLBACKEND") and not has_display:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    On screen: through pyplot, so `plt.show()` and Jupyter's inline display find
+    the figure, in whatever backend the user chose (matplotlib itself falls back
+    to Agg where there is no display). For a file: a bare Figure that pyplot never
+    sees, so saving it needs no backend and nothing piles up in pyplot's list.
+    Either way, the global backend is never switched.
+    """
+    figsize = subplots.pop("figsize")
+    if on_screen:
+        import matplotlib.pyplot as plt
 
-    return plt
+        fig = plt.figure(figsize=figsize, layout="constrained")
+    else:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.subplots(**subplots)
 
 
 def _timeline_rgb(traces: list[StepTrace], num_slots: int, upto: int):
@@ -317,7 +323,7 @@ def plot_timeline(traces: list[StepTrace], ax=None, title: str | None = None, *,
     """The slot timeline as a figure: one cell per (slot, step), coloured by request."""
     if ax is None:
         num_slots = max(len(t.slots) for t in traces) if traces else 1
-        _, ax = _pyplot().subplots(figsize=(11, min(8.0, 1.5 + 0.3 * num_slots)), layout="constrained")
+        _, ax = _new_figure(True, figsize=(11, min(8.0, 1.5 + 0.3 * num_slots)))
     draw_timeline(ax, traces, title=title, current=current)
     return ax.figure
 
@@ -329,7 +335,7 @@ def plot_block_map(trace: StepTrace, ax=None):
 
     num_blocks = trace.num_blocks
     if ax is None:
-        _, ax = _pyplot().subplots(figsize=(7, 3), layout="constrained")
+        _, ax = _new_figure(True, figsize=(7, 3))
     if num_blocks == 0:  # the contiguous-cache engines (chapters 01-02) have no block pool
         ax.text(0.5, 0.5, "no paged KV pool in this trace\n(contiguous cache: num_blocks = 0)",
                 ha="center", va="center", transform=ax.transAxes)
@@ -367,10 +373,13 @@ def plot_block_map(trace: StepTrace, ax=None):
 
 
 def plot_side_by_side(static_traces: list[StepTrace], continuous_traces: list[StepTrace], path: str | None = None):
-    """Static above continuous on one step axis, so the shorter run is visibly shorter."""
+    """Static above continuous on one step axis, so the shorter run is visibly shorter.
+
+    With `path`, the figure is saved there and not shown (the demo's PNG);
+    without, it is an on-screen figure, like plot_timeline's."""
     num_slots = max(len(t.slots) for t in static_traces + continuous_traces)
-    fig, (top, bottom) = _pyplot().subplots(2, 1, sharex=True, layout="constrained",
-                                            figsize=(11, min(12.0, 2.5 + 0.5 * num_slots)))
+    fig, (top, bottom) = _new_figure(path is None, nrows=2, ncols=1, sharex=True,
+                                     figsize=(11, min(12.0, 2.5 + 0.5 * num_slots)))
     runs = ((top, "static batching", static_traces), (bottom, "continuous batching", continuous_traces))
     for ax, name, traces in runs:
         numbers = summarize(traces)

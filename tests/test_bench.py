@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from minicb import LLM, bench
+from minicb import LLM
+from minicb.bench import cli, metrics, report, runners, workloads
 from minicb.data import load_chat_prompts
 from minicb.model import random_model
 from minicb.naive import first_difference
@@ -25,27 +26,27 @@ from minicb.weights import save_checkpoint
 
 def test_percentile_interpolates_between_ranks():
     values = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
-    assert bench.percentile(values, 0) == 1.0
-    assert bench.percentile(values, 100) == 4.0
-    assert bench.percentile(values, 50) == 2.5  # halfway between 2 and 3
-    assert bench.percentile(values, 99) == pytest.approx(3.97)  # rank 2.97: 3 + 0.97 * (4 - 3)
-    assert bench.percentile([7.0], 99) == 7.0
+    assert metrics.percentile(values, 0) == 1.0
+    assert metrics.percentile(values, 100) == 4.0
+    assert metrics.percentile(values, 50) == 2.5  # halfway between 2 and 3
+    assert metrics.percentile(values, 99) == pytest.approx(3.97)  # rank 2.97: 3 + 0.97 * (4 - 3)
+    assert metrics.percentile([7.0], 99) == 7.0
     with pytest.raises(ValueError, match="empty"):
-        bench.percentile([], 50)
+        metrics.percentile([], 50)
     with pytest.raises(ValueError, match="q=101"):
-        bench.percentile(values, 101)
+        metrics.percentile(values, 101)
 
 
 def test_tpot_excludes_the_first_token():
     # 10 tokens in 1.0 s, the first after 0.1 s: the other 9 took 0.9 s.
-    assert bench.tpot(latency=1.0, ttft=0.1, num_output_tokens=10) == pytest.approx(0.1)
-    assert bench.tpot(latency=1.0, ttft=1.0, num_output_tokens=1) is None
+    assert metrics.tpot(latency=1.0, ttft=0.1, num_output_tokens=10) == pytest.approx(0.1)
+    assert metrics.tpot(latency=1.0, ttft=1.0, num_output_tokens=1) is None
 
 
 def test_summarize_timings_by_hand():
-    timings = [bench.RequestTiming(arrival=0.0, first_token=0.5, finish=2.0, num_output_tokens=4),
-               bench.RequestTiming(arrival=1.0, first_token=1.5, finish=5.0, num_output_tokens=1)]
-    got = bench.summarize_timings(timings)
+    timings = [metrics.RequestTiming(arrival=0.0, first_token=0.5, finish=2.0, num_output_tokens=4),
+               metrics.RequestTiming(arrival=1.0, first_token=1.5, finish=5.0, num_output_tokens=1)]
+    got = metrics.summarize_timings(timings)
     # Wall = last finish - first arrival = 5 s; 5 tokens, 2 requests.
     assert got["wall_s"] == 5.0 and got["output_tokens"] == 5
     assert got["output_tok_s"] == pytest.approx(1.0) and got["req_s"] == pytest.approx(0.4)
@@ -58,8 +59,8 @@ def test_summarize_timings_by_hand():
 def test_static_batch_tokens_by_hand():
     # Prompts 3 and 5 padded to 5: prefill computes 2 * 5 = 10, of which 8 are real.
     # Outputs 2 and 4 tokens: 3 decode steps of 2 rows = 6 computed; rows are live for 1 and 3.
-    assert bench.static_batch_tokens([3, 5], [2, 4]) == (16, 12)
-    assert bench.static_batch_tokens([7], [5]) == (11, 11)  # a batch of one wastes nothing
+    assert metrics.static_batch_tokens([3, 5], [2, 4]) == (16, 12)
+    assert metrics.static_batch_tokens([7], [5]) == (11, 11)  # a batch of one wastes nothing
 
 
 def test_static_batch_tokens_matches_chapter_02_counters():
@@ -67,7 +68,7 @@ def test_static_batch_tokens_matches_chapter_02_counters():
     prompts = [[10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30]]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 2, 9)]
     stats = run_static(model, prompts, params, batch_size=3).stats
-    got = bench.static_batch_tokens([len(p) for p in prompts], [5, 2, 9])
+    got = metrics.static_batch_tokens([len(p) for p in prompts], [5, 2, 9])
     assert got == (stats.computed_tokens, stats.useful_tokens), \
         f"formula gives (computed, useful) = {got}, run_static counted {(stats.computed_tokens, stats.useful_tokens)}"
 
@@ -75,10 +76,10 @@ def test_static_batch_tokens_matches_chapter_02_counters():
 def test_busy_slot_steps_by_hand():
     # Outputs of 2 and 4 tokens in 3 slots: 4 steps x 3 slots = 12 slot-steps, of which
     # the rows were live for 2 + 4 = 6; the third slot stood empty throughout.
-    assert bench.busy_slot_steps([2, 4], num_slots=3) == (6, 12)
-    assert bench.busy_slot_steps([5], num_slots=1) == (5, 5)  # one prompt at a time: always busy
+    assert metrics.busy_slot_steps([2, 4], num_slots=3) == (6, 12)
+    assert metrics.busy_slot_steps([5], num_slots=1) == (5, 5)  # one prompt at a time: always busy
     with pytest.raises(ValueError, match="3 requests does not fit in 2 slots"):
-        bench.busy_slot_steps([1, 1, 1], num_slots=2)
+        metrics.busy_slot_steps([1, 1, 1], num_slots=2)
 
 
 def test_continuous_busy_slots_count_the_empty_slots():
@@ -86,8 +87,8 @@ def test_continuous_busy_slots_count_the_empty_slots():
     # (9 tokens) ends. Utilisation stays 100% (nothing computed is wasted); busy slots do not.
     lens = (2, 9, 3, 4, 6)
     llm = LLM.from_model(random_model(), max_num_seqs=4, block_size=4, num_blocks=64)
-    requests = [bench.Request([5 + i] * 3, max_tokens=n, ignore_eos=True) for i, n in enumerate(lens)]
-    result = bench.run_minicb_continuous(llm, requests, None, progress=False)
+    requests = [workloads.Request([5 + i] * 3, max_tokens=n, ignore_eos=True) for i, n in enumerate(lens)]
+    result = runners.run_minicb_continuous(llm, requests, None, progress=False)
     assert [len(t) for t in result.token_ids] == list(lens) and result.utilisation == 1.0
     assert result.busy_slots == pytest.approx(sum(lens) / (4 * len(llm.traces))), \
         f"busy slots {result.busy_slots}: want {sum(lens)} live slot-steps of 4 x {len(llm.traces)}"
@@ -95,10 +96,10 @@ def test_continuous_busy_slots_count_the_empty_slots():
 
 
 def test_waste_pct():
-    assert bench.waste_pct(reserved=100, used=25) == 75.0
-    assert bench.waste_pct(reserved=0, used=0) == 0.0
+    assert metrics.waste_pct(reserved=100, used=25) == 75.0
+    assert metrics.waste_pct(reserved=0, used=0) == 0.0
     with pytest.raises(ValueError, match="used=5"):
-        bench.waste_pct(reserved=4, used=5)
+        metrics.waste_pct(reserved=4, used=5)
 
 
 def _trace(step, slots, running, free, finished=(), preempted=()):
@@ -117,7 +118,7 @@ def test_paged_kv_at_peak_by_hand():
         _trace(2, [(0, "decode", 1), (2, "prefill", 9)], running=[0, 2], free=5),
         _trace(3, [(0, "decode", 1), (None, "empty", 0)], running=[0], free=7, preempted=[2]),
     ]
-    assert bench.paged_kv_at_peak(traces, block_size=4) == (20, 17)
+    assert metrics.paged_kv_at_peak(traces, block_size=4) == (20, 17)
 
 
 def test_first_difference_names_the_token():
@@ -132,22 +133,22 @@ def test_run_workload_ratios_errors_and_agreement():
     def fake(tokens_per_s, answers):
         # Each request finishes `len(answer)` tokens at 1 / tokens_per_s per token, all from time 0.
         def run(requests, arrivals, progress):
-            timings = [bench.RequestTiming(0.0, 1 / tokens_per_s, len(a) / tokens_per_s, len(a)) for a in answers]
-            return bench.EngineResult([list(a) for a in answers], timings, utilisation=1.0, kv_waste_pct=0.0)
+            timings = [metrics.RequestTiming(0.0, 1 / tokens_per_s, len(a) / tokens_per_s, len(a)) for a in answers]
+            return runners.EngineResult([list(a) for a in answers], timings, utilisation=1.0, kv_waste_pct=0.0)
         return run
 
     def broken(requests, arrivals, progress):
         raise RuntimeError("no such kernel")
 
-    requests = [bench.Request([5, 6], max_tokens=4), bench.Request([7], max_tokens=4)]
-    rows = bench.run_workload({"minicb-static": fake(10, [[1, 2], [3, 4]]),
+    requests = [workloads.Request([5, 6], max_tokens=4), workloads.Request([7], max_tokens=4)]
+    rows = runners.run_workload({"minicb-static": fake(10, [[1, 2], [3, 4]]),
                                "minicb-continuous": fake(30, [[1, 2], [3, 9]]),
                                "hf-generate": broken}, requests, None)
     assert rows["hf-generate"] == {"error": "RuntimeError: no such kernel"}
     assert rows["minicb-continuous"]["speedup_vs_minicb-static"] == pytest.approx(3.0)
     assert rows["minicb-continuous"]["speedup_vs_hf-generate"] is None  # the baseline failed
     assert rows["minicb-static"]["same_as_continuous"] == 1  # the second answers differ
-    table = bench.markdown_table(rows, num_requests=2)
+    table = report.markdown_table(rows, num_requests=2)
     assert "| hf-generate | error: RuntimeError: no such kernel |" in table
     assert "| 1/2 |" in table and "| 3.00x |" in table
     assert len({line.count("|") for line in table.splitlines()}) == 1, "every row needs the same number of cells"
@@ -155,18 +156,18 @@ def test_run_workload_ratios_errors_and_agreement():
 
 def test_correctness_guard_reports_the_first_differing_token(monkeypatch):
     model = random_model()
-    requests = [bench.Request([10 + i, 20, 30], max_tokens=4, ignore_eos=True) for i in range(3)]
-    assert bench.check_minicb_agrees(model, requests, slots=2, block_size=4, attention="torch") == []
+    requests = [workloads.Request([10 + i, 20, 30], max_tokens=4, ignore_eos=True) for i in range(3)]
+    assert runners.check_minicb_agrees(model, requests, slots=2, block_size=4, attention="torch") == []
 
-    real_run_static = bench.run_static
+    real_run_static = runners.run_static
 
     def off_by_one(*args, **kwargs):  # a static batcher that gets prompt 1's third token wrong
         result = real_run_static(*args, **kwargs)
         result.generations[1].token_ids[2] += 1
         return result
 
-    monkeypatch.setattr(bench, "run_static", off_by_one)
-    problems = bench.check_minicb_agrees(model, requests, slots=2, block_size=4, attention="torch")
+    monkeypatch.setattr(runners, "run_static", off_by_one)
+    problems = runners.check_minicb_agrees(model, requests, slots=2, block_size=4, attention="torch")
     assert len(problems) == 1 and problems[0].startswith(
         "minicb-static, prompt 1: first difference at token 2: minicb-static"), problems
 
@@ -187,8 +188,8 @@ def test_bundled_chat_prompts():
 
 
 def test_random_requests_are_seeded_and_bounded():
-    a = bench.random_requests(vocab_size=256, num_prompts=50, max_tokens=40, max_prompt_len=30, seed=3)
-    b = bench.random_requests(vocab_size=256, num_prompts=50, max_tokens=40, max_prompt_len=30, seed=3)
+    a = workloads.random_requests(vocab_size=256, num_prompts=50, max_tokens=40, max_prompt_len=30, seed=3)
+    b = workloads.random_requests(vocab_size=256, num_prompts=50, max_tokens=40, max_prompt_len=30, seed=3)
     assert a == b
     assert all(8 <= len(r.prompt_ids) <= 30 and all(100 <= t < 256 for t in r.prompt_ids) for r in a)
     assert all(1 <= r.max_tokens <= 40 and r.ignore_eos for r in a)
@@ -196,12 +197,12 @@ def test_random_requests_are_seeded_and_bounded():
 
 
 def test_poisson_arrivals():
-    times = bench.poisson_arrivals(2000, rate=4.0, seed=0)
+    times = workloads.poisson_arrivals(2000, rate=4.0, seed=0)
     assert times[0] == 0.0 and times == sorted(times)
     mean_gap = times[-1] / (len(times) - 1)
     assert math.isclose(mean_gap, 0.25, rel_tol=0.1), f"mean gap {mean_gap:.3f} s; expected about 1 / rate = 0.25 s"
     with pytest.raises(ValueError, match="rate=0"):
-        bench.poisson_arrivals(3, rate=0, seed=0)
+        workloads.poisson_arrivals(3, rate=0, seed=0)
 
 
 def test_serve_in_batches_only_batches_arrived_requests():
@@ -217,8 +218,8 @@ def test_serve_in_batches_only_batches_arrived_requests():
             stamps.append(time.perf_counter())
         return [[7] * len(r.prompt_ids) for r in batch], stamps, 8 * len(batch)
 
-    requests = [bench.Request([i] * (i + 1), max_tokens=8) for i in range(4)]
-    result = bench.serve_in_batches(run_batch, requests, arrivals=[0.0, 0.0, 0.0, 0.3], batch_size=2,
+    requests = [workloads.Request([i] * (i + 1), max_tokens=8) for i in range(4)]
+    result = runners.serve_in_batches(run_batch, requests, arrivals=[0.0, 0.0, 0.0, 0.3], batch_size=2,
                                     desc="fake", progress=False)
     # The first batch takes two of the three that arrived at 0; request 3 arrives long after.
     assert batches == [[0, 1], [2], [3]], f"batches formed: {batches}"
@@ -242,7 +243,7 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
     try:
         # Poisson arrivals take every engine through its arrival-handling path; the
         # tiny model has no tokenizer, so the prompts are random token ids with EOS ignored.
-        code = bench.main(["--model", str(tmp_path / "tiny"), "--device", device, "--workload", "poisson",
+        code = cli.main(["--model", str(tmp_path / "tiny"), "--device", device, "--workload", "poisson",
                            "--num-prompts", "3", "--max-tokens", "5", "--slots", "2", "--hf-batch", "2",
                            "--rate", "50", "--threads", "1", "--out", str(out)])
     finally:
@@ -250,7 +251,7 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
     assert code == 0
     report = json.loads(out.read_text())
     rows = report["workloads"]["poisson"]["engines"]
-    for engine in bench.ENGINES:
+    for engine in runners.ENGINES:
         assert "error" not in rows[engine], f"{engine}: {rows[engine].get('error')}"
         assert rows[engine]["requests"] == 3 and rows[engine]["output_tok_s"] > 0
     # Same weights, same greedy decoding, same ignore_eos: minicb's engines agree exactly.

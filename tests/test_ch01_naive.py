@@ -156,7 +156,8 @@ def test_eos_stops_and_is_kept(model, name):
 
     ignored = loop(name)(model, prompt, SamplingParams(max_tokens=k + 3, ignore_eos=True))
     assert ignored.token_ids == stream[:k + 3], f"{name}, ignore_eos: {first_difference(ignored.token_ids, stream[:k + 3])}"
-    assert ignored.finish_reason == "length"
+    assert ignored.finish_reason == "length", \
+        f"{name}: ignore_eos runs to max_tokens, so finish_reason should be 'length', got {ignored.finish_reason!r}"
 
 
 @pytest.mark.parametrize("name", LOOPS)
@@ -166,7 +167,8 @@ def test_stop_token_ids(model, name):
     k = first_new_token_index(stream, start=3)
     got = loop(name)(model, prompt, SamplingParams(max_tokens=12, stop_token_ids=[stream[k]]))
     assert got.token_ids == stream[:k + 1], f"{name}, stop token {stream[k]}: {first_difference(got.token_ids, stream[:k + 1])}"
-    assert got.finish_reason == "stop"
+    assert got.finish_reason == "stop", \
+        f"{name}: ended by a stop token, finish_reason should be 'stop', got {got.finish_reason!r}"
     # When the stop token is also the last allowed token, "stop" wins: the model chose to end.
     got = loop(name)(model, prompt, SamplingParams(max_tokens=k + 1, stop_token_ids=[stream[k]]))
     assert (got.token_ids, got.finish_reason) == (stream[:k + 1], "stop"), \
@@ -180,7 +182,8 @@ def test_max_tokens(model, name, max_tokens):
     want = oracle_tokens(model, prompt, max_tokens)
     got = loop(name)(model, prompt, SamplingParams(max_tokens=max_tokens))
     assert got.token_ids == want, f"{name}, max_tokens={max_tokens}: {first_difference(got.token_ids, want)}"
-    assert got.finish_reason == "length"
+    assert got.finish_reason == "length", \
+        f"{name}: {max_tokens} tokens of max_tokens={max_tokens} should end with 'length', got {got.finish_reason!r}"
 
 
 @pytest.mark.parametrize("name", LOOPS)
@@ -193,7 +196,8 @@ def test_stops_when_the_context_is_full(device, name):
     got = loop(name)(model, prompt, SamplingParams(max_tokens=100))
     assert got.token_ids == want, (f"{name}: a 10-token prompt in a 16-token context should get 6 tokens; "
                                    f"{first_difference(got.token_ids, want)}")
-    assert got.finish_reason == "length"
+    assert got.finish_reason == "length", \
+        f"{name}: a full context should end with 'length', got {got.finish_reason!r}"
 
 
 # ---- sampling ------------------------------------------------------------------

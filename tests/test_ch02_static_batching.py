@@ -24,9 +24,9 @@ static = impl.load("static_batching")
 LENGTHS = (1, 2, 40, 5, 17, 3, 60, 9, 25, 4, 33)
 PROMPTS = [[(11 * i + 7 * n) % 250 + 3 for i in range(n)] for n in LENGTHS]
 MAX_TOKENS = (16, 4, 16, 9, 16, 16, 2, 16, 12, 16, 7)
-# With EOS = 28 the tiny model ends three of these prompts early (after 1, 2 and
-# 10 tokens) and the rest run to max_tokens: both ways of finishing, mid-batch.
-EOS = 28
+# With EOS = 84 the tiny model ends three of these prompts early (after 2, 5 and
+# 6 tokens) and the rest run to max_tokens: both ways of finishing, mid-batch.
+EOS = 84
 
 
 def tiny_model(device):
@@ -57,8 +57,12 @@ def test_left_pad_lines_up_the_last_prompt_tokens(device):
         assert tuple(t.shape) == (3, 5), f"{name} has shape {tuple(t.shape)}; want (3, 5) = (prompts, longest)"
         assert t.device.type == torch.device(device).type, f"{name} is on {t.device}, want {device}"
     assert mask.dtype == torch.bool, f"padding_mask should be bool, got {mask.dtype}"
-    assert ids.tolist() == [[99, 99, 10, 11, 12], [20, 21, 22, 23, 24], [99, 99, 99, 99, 30]], ids.tolist()
-    assert mask.tolist() == [[False, False, True, True, True], [True] * 5, [False] * 4 + [True]], mask.tolist()
+    want_ids = [[99, 99, 10, 11, 12], [20, 21, 22, 23, 24], [99, 99, 99, 99, 30]]
+    assert ids.tolist() == want_ids, (f"input_ids should be right-aligned with pad_id 99 in front: "
+                                      f"got {ids.tolist()}, want {want_ids}")
+    want_mask = [[False, False, True, True, True], [True] * 5, [False] * 4 + [True]]
+    assert mask.tolist() == want_mask, (f"padding_mask should be True on real tokens only: "
+                                        f"got {mask.tolist()}, want {want_mask}")
     # Each real token keeps the position it has alone; what pads get does not matter.
     for row, prompt in enumerate(prompts):
         real = positions[row, 5 - len(prompt):].tolist()
@@ -68,7 +72,9 @@ def test_left_pad_lines_up_the_last_prompt_tokens(device):
 @pytest.mark.task(1)
 def test_left_pad_of_equal_lengths_adds_nothing(device):
     ids, mask, positions = static.left_pad([[4, 5], [6, 7]], pad_id=0, device=device)
-    assert ids.tolist() == [[4, 5], [6, 7]] and mask.all() and positions.tolist() == [[0, 1], [0, 1]]
+    got = (ids.tolist(), mask.tolist(), positions.tolist())
+    want = ([[4, 5], [6, 7]], [[True, True], [True, True]], [[0, 1], [0, 1]])
+    assert got == want, f"prompts of equal length need no padding: (ids, mask, positions) = {got}, want {want}"
 
 
 # ---- task 2: the padded cache --------------------------------------------------
@@ -179,7 +185,8 @@ def test_waste_counted_by_hand(device):
     got = {name: getattr(stats, name) for name in want}
     assert got == want, "stats differ from the hand count:\n" + "\n".join(
         f"  {name}: got {got[name]}, want {want[name]}" for name in want if got[name] != want[name])
-    assert stats.utilisation == pytest.approx(14 / 24)
+    assert stats.utilisation == pytest.approx(14 / 24), \
+        f"utilisation is useful / computed tokens, 14 / 24 = {14 / 24:.3f}; got {stats.utilisation}"
 
 
 @pytest.mark.task(3)
@@ -191,7 +198,8 @@ def test_padding_is_counted_per_batch(device, chapter01_greedy):
         want = sum(max(b) * len(b) - sum(b) for b in batches)
         assert stats.padding_tokens == want, (f"batch size {batch_size}: padding_tokens {stats.padding_tokens}, "
                                               f"want sum(longest - length) over batches {batches} = {want}")
-        assert stats.prompt_tokens == sum(LENGTHS)
+        assert stats.prompt_tokens == sum(LENGTHS), (f"batch size {batch_size}: prompt_tokens {stats.prompt_tokens}, "
+                                                     f"want the real prompt tokens, {sum(LENGTHS)}")
 
 
 @pytest.mark.task(3)
@@ -201,8 +209,10 @@ def test_traces_show_one_slot_per_row_and_the_wasted_rows(device):
     want = [["prefill"] * 3, ["wasted", "decode", "decode"], ["wasted", "decode", "wasted"],
             ["wasted", "decode", "wasted"]]
     assert phases == want, f"slot phases per step:\n  got  {phases}\n  want {want}"
-    assert [[slot.request_id for slot in t.slots] for t in traces] == [[0, 1, 2]] * 4
-    assert [slot.num_tokens for slot in traces[0].slots] == [2, 5, 3], "a prefill slot computes its prompt"
+    ids = [[slot.request_id for slot in t.slots] for t in traces]
+    assert ids == [[0, 1, 2]] * 4, f"slot k holds request k at every step, finished or not; got {ids}"
+    tokens = [slot.num_tokens for slot in traces[0].slots]
+    assert tokens == [2, 5, 3], f"a prefill slot computes its prompt (2, 5 and 3 tokens); got num_tokens {tokens}"
     finished = [sorted(t.finished) for t in traces]
     assert finished == [[(0, "length")], [(2, "length")], [], [(1, "length")]], f"finished per step: {finished}"
 
@@ -213,8 +223,10 @@ def test_a_short_last_batch_leaves_empty_slots(device):
     result = static.run_static(model, PROMPTS[:5], SamplingParams(max_tokens=2), batch_size=3)
     slots = [[(s.request_id, s.phase) for s in t.slots] for t in result.traces]
     assert len(slots) == 4, f"two batches of 2 steps each; got {len(slots)} traces"
-    assert slots[2] == [(3, "prefill"), (4, "prefill"), (None, "empty")], slots[2]
-    assert slots[3] == [(3, "decode"), (4, "decode"), (None, "empty")], slots[3]
+    for step, phase in ((2, "prefill"), (3, "decode")):
+        want = [(3, phase), (4, phase), (None, "empty")]
+        assert slots[step] == want, (f"step {step}: the last batch of 2 in 3 slots leaves slot 2 empty; "
+                                     f"(request, phase) per slot got {slots[step]}, want {want}")
 
 
 # ---- the real model ------------------------------------------------------------
@@ -233,4 +245,5 @@ def test_smollm2_chat_prompts_match_chapter01(smollm2, chapter01_answers, batch_
     for i, (got, want) in enumerate(zip(result.generations, expected)):
         assert got.token_ids == want.token_ids, (f"batch size {batch_size}, prompt {i} ({len(prompts[i])} tokens): "
                                                  f"{first_difference(got.token_ids, want.token_ids)}")
-        assert got.finish_reason == want.finish_reason, f"prompt {i}: finish_reason differs"
+        assert got.finish_reason == want.finish_reason, (f"batch size {batch_size}, prompt {i}: finish_reason "
+                                                         f"{got.finish_reason!r}, chapter 01 gives {want.finish_reason!r}")

@@ -25,6 +25,7 @@ import inspect
 import pathlib
 import re
 import shutil
+import sys
 
 import pytest
 
@@ -222,6 +223,37 @@ def test_impl_only_swaps_the_graded_chapter(monkeypatch):
         impl.load("scheduler")
 
 
+def test_impl_only_takes_a_comma_separated_list(monkeypatch, tmp_path):
+    # Your allocator under your scheduler, the reference for everything else.
+    monkeypatch.setenv("MINICB_IMPL_FILE", str(tmp_path / "mine.py"))
+    (tmp_path / "mine.py").write_text("WHO = 'student'\n")
+    monkeypatch.setenv("MINICB_IMPL_ONLY", " block_allocator, scheduler ")
+    assert impl.load("block_allocator").WHO == impl.load("scheduler").WHO == "student"
+    assert impl.load("naive") is importlib.import_module("minicb.naive")
+    # An unknown name is named, with the known ones listed; the known one beside it does not hide it.
+    monkeypatch.setenv("MINICB_IMPL_ONLY", "scheduler,alocator")
+    with pytest.raises(ValueError, match=r"'alocator' is not a chapter module; known: block_allocator, naive"):
+        impl.load("scheduler")
+
+
+def test_load_file_runs_a_file_once_until_it_changes(tmp_path):
+    path = tmp_path / "counter.py"
+    path.write_text("VERSION = 1\n")
+    first = impl.load_file(path, "minicb_test_counter")
+    assert impl.load_file(path, "minicb_test_counter") is first, "an unchanged file must not run again"
+    # An edited file (new size, new mtime) reloads: a grader never sees a stale module.
+    path.write_text("VERSION = 22\n")
+    edited = impl.load_file(path, "minicb_test_counter")
+    assert edited is not first and edited.VERSION == 22, f"got VERSION={edited.VERSION}, want the edited 22"
+    forced = impl.load_file(path, "minicb_test_counter", reload=True)
+    assert forced is not edited and forced.VERSION == 22, "reload=True must run the file again"
+    # A file that fails to run is not cached, and is not left in sys.modules half-built.
+    path.write_text("VERSION = 3\nraise RuntimeError('broken on purpose')\n")
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        impl.load_file(path, "minicb_test_counter")
+    assert "minicb_test_counter" not in sys.modules
+
+
 def test_chapter06_grades_each_task_on_its_own(tmp_path):
     # A submission with only task 1 written: task 1 passes, though every test also
     # calls the methods of tasks 2 and 3; those tasks fail, each on its own stub.
@@ -239,3 +271,15 @@ def test_chapter06_grades_each_task_on_its_own(tmp_path):
         messages = {r.message.split(" —")[0] for r in results[task] if r.outcome == "failed"}
         assert messages == {f"NotImplementedError: Chapter 6, task {task}: Scheduler.{method}()"}, \
             f"task {task}'s tests should fail on its own stub only; they failed with {messages}"
+
+
+def test_grade_table_wraps_the_whole_first_failure_line():
+    # The end of a message is often what matters: the value seen, or the link to the text.
+    message = ("AssertionError: after seq 1 copied block 1, seq 0 is its only holder and writes in place; "
+               "append(0) returned copy (1, 3)")
+    report = check.Report(results=[check.TestResult("t::a", 1, "passed"), check.TestResult("t::b", 3, "failed", message)])
+    table = check.format_table(report, width=60)
+    assert all(len(line) <= 60 for line in table.splitlines()), f"lines wider than 60:\n{table}"
+    rows = table.splitlines()
+    column = rows[0].index("first failure")
+    assert " ".join(line[column:].strip() for line in rows[2:]) == message, f"the message was cut or garbled:\n{table}"

@@ -363,3 +363,18 @@ def test_importing_viz_does_not_import_matplotlib_or_ipywidgets():
             "print(sorted(new & {'matplotlib', 'ipywidgets', 'numpy'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_figures_leave_matplotlib_global_state_alone(static, continuous, tmp_path):
+    # A notebook user's backend must survive drawing; a figure saved to a file must
+    # not pile up in pyplot's list, while an on-screen one must be there for plt.show().
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    backend, before = matplotlib.get_backend(), plt.get_fignums()
+    viz.plot_side_by_side(static, continuous, path=str(tmp_path / "compare.png"))
+    assert plt.get_fignums() == before, f"saving to a file registered pyplot figures {plt.get_fignums()}"
+    fig = viz.plot_timeline(continuous)
+    assert fig.number in plt.get_fignums(), "an on-screen figure must be one plt.show() can find"
+    plt.close(fig)
+    assert matplotlib.get_backend() == backend, f"the backend changed from {backend} to {matplotlib.get_backend()}"

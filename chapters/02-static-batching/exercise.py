@@ -6,13 +6,13 @@ is minicb/static_batching.py, if you get stuck.
 
 Chapter 01 is given in full (minicb/naive.py): its ContiguousKVCache is the
 base class of task 2, and its loop is the model of task 3. So are the stats
-and result dataclasses, the trace helper, and `run_static` (at the bottom),
-which cuts the prompts into batches and calls *your* run_batch for each.
+and result dataclasses, `step_trace` (one StepTrace per forward), and
+`run_static` (at the bottom), which cuts the prompts into batches and calls
+*your* run_batch for each.
 """
 from __future__ import annotations
 
 import time  # noqa: F401  (for the seconds each trace records)
-import types
 
 import torch
 
@@ -21,7 +21,7 @@ from minicb.model import Model
 from minicb.naive import ContiguousKVCache, Generation, check_prompt  # noqa: F401  # given (chapter 01)
 from minicb.sampling import SamplingParams, finish_reason, make_generator, sample  # noqa: F401  # given
 from minicb.static_batching import StaticResult, StaticStats  # given
-from minicb.static_batching import _trace  # noqa: F401  # given: one StepTrace per step, see run_batch
+from minicb.static_batching import step_trace  # noqa: F401  # given: one StepTrace per forward, see run_batch
 from minicb.trace import StepTrace
 
 
@@ -80,8 +80,8 @@ def run_batch(model: Model, prompts: list[list[int]], params: list[SamplingParam
       idle_slot_steps   the finished rows of each decode step
       steps             one per forward        generated_tokens  tokens returned
     Append to `traces`, after sampling at each forward:
-      _trace(len(traces), request_ids, phases, tokens, finished_now, done,
-             num_slots, width, seconds)
+      step_trace(len(traces), request_ids, phases, tokens, finished_now, done,
+                 num_slots, width, seconds)
     phases: per row "prefill" at the first step, then "decode" (live) or
     "wasted" (finished); tokens: per row, the prompt length at the prefill,
     then 1 (live) or 0; finished_now: (request id, reason) of rows that ended
@@ -92,9 +92,12 @@ def run_batch(model: Model, prompts: list[list[int]], params: list[SamplingParam
 
 
 # ---- given ---------------------------------------------------------------------
-# minicb.static_batching.run_static, which cuts the prompts into batches and calls
-# run_batch for each. Rebuilt from the same code with this file's globals, so the
-# run_batch it calls is yours.
-run_static = types.FunctionType(_reference.run_static.__code__, globals(), "run_static",
-                                _reference.run_static.__defaults__)
-run_static.__doc__ = _reference.run_static.__doc__
+
+def run_static(model: Model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+               batch_size: int = 16, batch_runner=None) -> StaticResult:
+    """Serve `prompts` in consecutive static batches of `batch_size`, in order.
+
+    Given: minicb.static_batching.run_static, told to call *your* run_batch
+    (the one above) for each batch, unless another batch_runner is passed.
+    """
+    return _reference.run_static(model, prompts, params, batch_size, batch_runner=batch_runner or run_batch)
