@@ -8,6 +8,7 @@ teacher grades a submission -- and prints one row per task:
     1     12/12   PASS
     2     0/4     FAIL    NotImplementedError: Chapter 3, task 2: append() — see
                           chapters/03-block-allocation/README.md#task-2
+    all   0/1     FAIL    NotImplementedError: Chapter 3, task 1: ...
 
 The exit code is 0 only when every test ran and passed (tests that skip
 themselves, such as GPU-only ones on a laptop, are not failures).
@@ -20,6 +21,10 @@ pytest plugin (`-p minicb.check`). The plugin reads each test's
 `@pytest.mark.task(k)` marker and writes every result to a JSON file that the
 parent reads back. A subprocess keeps your module, and anything it breaks, out
 of the grader's own process.
+
+The row "all" is the chapter's integration test (`@pytest.mark.task("all")`):
+every task's code running together, usually inside the real engine, against
+the previous chapter. A chapter can pass task by task and still fail there.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ REPORT_ENV = "MINICB_CHECK_REPORT"  # where the plugin in the child process writ
 @dataclass
 class TestResult:
     nodeid: str  # pytest's id, e.g. "tests/test_ch03_block_allocator.py::test_fork_errors"
-    task: int | None  # from @pytest.mark.task(k); None when the test has no marker
+    task: int | str | None  # from @pytest.mark.task(k): k, or "all" for every task together; None: no marker
     outcome: str  # "passed" | "failed" | "skipped"
     message: str = ""  # first line of the failure ("NotImplementedError: ..."), or the skip reason
 
@@ -80,14 +85,16 @@ def _first_line(longrepr) -> str:
 class _Collector:
     def __init__(self, path: str):
         self.path = path
-        self.tasks: dict[str, int | None] = {}
+        self.tasks: dict[str, int | str | None] = {}
         self.results: dict[str, TestResult] = {}
         self.errors: list[str] = []
 
     def pytest_collection_modifyitems(self, items):
         for item in items:
             marker = item.get_closest_marker("task")
-            self.tasks[item.nodeid] = int(marker.args[0]) if marker and marker.args else None
+            task = marker.args[0] if marker and marker.args else None
+            # task("all"): an integration test that runs every task's code together.
+            self.tasks[item.nodeid] = task if task in (None, "all") else int(task)
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -177,11 +184,12 @@ def format_table(report: Report, width: int = 100) -> str:
     what differed ("... want 2, got 4") or where to read ("see chapters/..."):
     it wraps onto more lines, indented under its column, instead of being cut.
     """
-    by_task: dict[int | None, list[TestResult]] = {}
+    by_task: dict[int | str | None, list[TestResult]] = {}
     for result in report.results:
         by_task.setdefault(result.task, []).append(result)
     rows = [("task", "passed", "status", "first failure")]
-    for task in sorted(by_task, key=lambda t: (t is None, t or 0)):
+    # Tasks in order, then "all" (every task together), then unmarked tests.
+    for task in sorted(by_task, key=lambda t: (t is None, t == "all", t if isinstance(t, int) else 0)):
         results = by_task[task]
         passed = sum(r.outcome == "passed" for r in results)
         skipped = sum(r.outcome == "skipped" for r in results)

@@ -115,3 +115,68 @@ def one_scheduler_task(request, monkeypatch):
     scheduler.Scheduler = type("Scheduler", (graded.Scheduler,), others)
     load = impl.load
     monkeypatch.setattr(impl, "load", lambda module: scheduler if module == "scheduler" else load(module))
+
+
+# ---- integration rows: the chapter 06 engine against chapter 01 -----------------------
+
+
+@pytest.fixture(scope="session")
+def engine_matches_chapter01():
+    """check(model, requests, **engine_config) -> number of preemptions.
+
+    Serves `requests`, a list of (arrival_step, prompt_ids, SamplingParams), through
+    the chapter 06 engine built from whatever `impl.load` hands out (so from the
+    student's module in a chapter's integration test), and asserts that every
+    request finishes once with the reference chapter 01 loop's tokens and finish
+    reason, and that every block is free afterwards. Used by the "all" rows of
+    chapters 03-06.
+    """
+    from minicb.engine import Engine, EngineConfig
+    from minicb.naive import first_difference, generate_with_cache  # the reference: the oracle
+
+    def check(model, requests, **engine_config):
+        engine = Engine(model, EngineConfig(**engine_config))
+        num_blocks = engine.allocator.num_blocks
+        pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
+        index_of, finished, preemptions, step = {}, {}, 0, 0
+        while pending or engine.has_unfinished():
+            while pending and requests[pending[0]][0] <= step:
+                i = pending.pop(0)
+                index_of[engine.add_request(requests[i][1], requests[i][2])] = i
+            for seq in engine.step().finished:
+                i = index_of[seq.request_id]
+                assert i not in finished, f"request {i} finished twice"
+                finished[i] = seq
+                preemptions += seq.num_preemptions
+            step += 1
+            assert step < 3000, f"the engine stopped making progress: {len(finished)} of {len(requests)} finished"
+        missing = sorted(set(range(len(requests))) - set(finished))
+        assert not missing, f"every request must finish; these never did: {missing}"
+        free = engine.allocator.num_free_blocks
+        assert free == num_blocks, f"every block must be free after the run, but {free} of {num_blocks} are"
+        for i, seq in sorted(finished.items()):
+            _, prompt, params = requests[i]
+            want = generate_with_cache(model, prompt, params)
+            assert (seq.output_token_ids, seq.finish_reason) == (want.token_ids, want.finish_reason), (
+                f"request {i} ({len(prompt)}-token prompt, max_tokens {params.max_tokens}, preempted "
+                f"{seq.num_preemptions} times): finish {seq.finish_reason!r} vs chapter 01's "
+                f"{want.finish_reason!r}; {first_difference(seq.output_token_ids, want.token_ids, ('engine', 'chapter 01'))}")
+        return preemptions
+
+    return check
+
+
+@pytest.fixture(scope="session")
+def random_requests():
+    """make(vocab_size, count, seed) -> (arrival_step, prompt, greedy SamplingParams) requests of random
+    lengths (prompts of 1-20 tokens, 1-14 new tokens, arriving over 40 steps), for the integration rows."""
+    import random
+
+    from minicb.sampling import SamplingParams
+
+    def make(vocab_size: int, count: int, seed: int) -> list:
+        rng = random.Random(seed)
+        return [(rng.randint(0, 40), [rng.randrange(3, vocab_size) for _ in range(rng.randint(1, 20))],
+                 SamplingParams(max_tokens=rng.randint(1, 14))) for _ in range(count)]
+
+    return make

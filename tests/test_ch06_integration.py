@@ -13,15 +13,11 @@ your allocator: the engine built from your own pieces.
 """
 import importlib
 import os
-import random
 
 import pytest
 
 from minicb import impl
-from minicb.engine import Engine, EngineConfig
 from minicb.model import random_model
-from minicb.naive import first_difference, generate_with_cache
-from minicb.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -44,30 +40,10 @@ def students_allocator():
     return module
 
 
-def run_engine(tiny, requests, num_blocks):
-    """Serve (arrival_step, prompt, params) requests; returns ({request index: Sequence}, preemptions)."""
-    engine = Engine(tiny, EngineConfig(block_size=4, num_blocks=num_blocks, max_num_seqs=6))
-    pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
-    index_of, finished, preemptions, step = {}, {}, 0, 0
-    while pending or engine.has_unfinished():
-        while pending and requests[pending[0]][0] <= step:
-            i = pending.pop(0)
-            index_of[engine.add_request(requests[i][1], requests[i][2])] = i
-        out = engine.step()
-        for seq in out.finished:
-            assert index_of[seq.request_id] not in finished, f"request {index_of[seq.request_id]} finished twice"
-            finished[index_of[seq.request_id]] = seq
-            preemptions += seq.num_preemptions
-        step += 1
-        assert step < 3000, f"the engine stopped making progress: {len(finished)} of {len(requests)} finished"
-    free = engine.allocator.num_free_blocks
-    assert free == num_blocks, f"every block must be free after the run, but {free} of {num_blocks} are"
-    return finished, preemptions
-
-
 @pytest.mark.task("all")
 @pytest.mark.parametrize("allocator", ["reference allocator", "your allocator"])
-def test_your_scheduler_runs_the_engine_like_chapter01(tiny, allocator, monkeypatch):
+def test_your_scheduler_runs_the_engine_like_chapter01(tiny, allocator, monkeypatch, engine_matches_chapter01,
+                                                        random_requests):
     if allocator == "your allocator":
         mine = students_allocator()
         if mine is None:
@@ -80,22 +56,8 @@ def test_your_scheduler_runs_the_engine_like_chapter01(tiny, allocator, monkeypa
         reference = importlib.import_module("minicb.block_allocator")
         monkeypatch.setattr(impl, "load", lambda m: reference if m == "block_allocator" else load(m))
 
-    rng = random.Random(1)
-    requests = []
-    for _ in range(48):
-        prompt = [rng.randrange(3, tiny.config.vocab_size) for _ in range(rng.randint(1, 20))]
-        requests.append((rng.randint(0, 40), prompt, SamplingParams(max_tokens=rng.randint(1, 14))))
-    # 20 blocks of 4 tokens for 6 slots of up to 34 tokens: preemption and re-admission
-    # of requests that already have outputs, again and again.
-    finished, preemptions = run_engine(tiny, requests, num_blocks=20)
-    assert sorted(finished) == list(range(len(requests))), (
-        f"every request must finish; missing {sorted(set(range(len(requests))) - set(finished))}")
+    # 48 requests on 20 blocks of 4 tokens for 6 slots of up to 34 tokens: preemption
+    # and re-admission of requests that already have outputs, again and again.
+    requests = random_requests(tiny.config.vocab_size, 48, seed=1)
+    preemptions = engine_matches_chapter01(tiny, requests, block_size=4, num_blocks=20, max_num_seqs=6)
     assert preemptions >= 5, f"the pool was sized to force preemptions, but only {preemptions} happened"
-    for i, seq in sorted(finished.items()):
-        _, prompt, params = requests[i]
-        want = generate_with_cache(tiny, prompt, params)
-        got = (seq.output_token_ids, seq.finish_reason)
-        assert got == (want.token_ids, want.finish_reason), (
-            f"request {i} ({len(prompt)}-token prompt, max_tokens {params.max_tokens}, preempted "
-            f"{seq.num_preemptions} times): finish {seq.finish_reason!r} vs chapter 01's {want.finish_reason!r}; "
-            f"{first_difference(seq.output_token_ids, want.token_ids, ('engine', 'chapter 01'))}")
