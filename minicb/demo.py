@@ -6,7 +6,8 @@ The terminal shows both slot timelines (rows are slots, columns are steps; a
 letter is a request, upper case while it prefills), a few answers, and a
 summary table; a PNG of both timelines is saved.
 
-With MINICB_IMPL=student the engine runs on your chapter 03 / 06 exercise code.
+With MINICB_IMPL=student the engine runs on your exercise code: MINICB_IMPL_ONLY=block_allocator,scheduler
+names which modules (the demo prints them); without it, every chapter's, unfinished ones too.
 """
 from __future__ import annotations
 
@@ -70,8 +71,12 @@ def main(args) -> int:
     print("static batching (chapter 02) ...", flush=True)
     static = run_static(model, prompts, params, batch_size=args.slots)
     print("continuous batching (chapter 06) ...", flush=True)
-    if impl.which() == "student":
-        print("  MINICB_IMPL=student: the engine runs your block allocator and scheduler")
+    # Say exactly whose code runs: the engine loads these modules through impl.load.
+    engine_modules = ("block_allocator", "scheduler", "paged_attention")
+    yours = [m for m in impl.student_modules() if m in engine_modules]
+    if yours:
+        print(f"  the engine runs your {', '.join(yours)}"
+              f"{' and the reference ' + ', '.join(m for m in engine_modules if m not in yours) if len(yours) < 3 else ''}")
     # Continuous: the same number of slots, but a finished request leaves at once
     # and the next waiting one takes its slot in the following step.
     llm = LLM.from_model(model, tokenizer, max_num_seqs=args.slots)

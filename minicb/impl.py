@@ -114,6 +114,14 @@ def only_modules() -> set[str] | None:
     return names or None
 
 
+def student_modules() -> list[str]:
+    """The chapter modules `load` hands out from a student's (or a --file) exercise file, in chapter order."""
+    if not (os.environ.get("MINICB_IMPL_FILE") or which() == "student"):
+        return []
+    only = only_modules()
+    return [m for m in CHAPTERS if only is None or m in only]
+
+
 def load(module: str) -> ModuleType:
     """The implementation of chapter `module` the tests should exercise."""
     if module not in CHAPTERS:

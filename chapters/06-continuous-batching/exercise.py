@@ -7,7 +7,7 @@ tests/test_ch06_engine.py (the whole engine on a model, with your scheduler
 inside). Run them against this file with
 
     python -m minicb check 6
-    MINICB_IMPL=student python -m minicb demo     # the demo, on your scheduler
+    MINICB_IMPL=student MINICB_IMPL_ONLY=scheduler python -m minicb demo     # the demo, on your scheduler
 
 Everything else -- the Sequence record and its RequestStatus, the queues,
 add/abort, and the two helpers preempt() and finish() -- is given, in the class
