@@ -1,4 +1,4 @@
-"""Grade a chapter's exercises: `python -m minicb check N [--file PATH] [-k EXPR] [-v]`.
+"""Grade a chapter's exercises: `python -m minicb check N [--file PATH] [--task K] [-k EXPR] [-v]`.
 
 It runs chapter N's tests (tests/test_chNN_*.py) against your
 chapters/NN-slug/exercise.py -- or against PATH with --file, which is how a
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from minicb import impl
 
 REPORT_ENV = "MINICB_CHECK_REPORT"  # where the plugin in the child process writes its results
+TASKS_ENV = "MINICB_CHECK_TASKS"  # comma-separated tasks to run ("2", "1,all"); unset: every test
 
 
 @dataclass
@@ -83,18 +84,23 @@ def _first_line(longrepr) -> str:
 
 
 class _Collector:
-    def __init__(self, path: str):
+    def __init__(self, path: str, tasks: set[str] | None = None):
         self.path = path
+        self.only_tasks = tasks  # run only tests of these tasks (as strings: "2", "all"); None: all
         self.tasks: dict[str, int | str | None] = {}
         self.results: dict[str, TestResult] = {}
         self.errors: list[str] = []
 
-    def pytest_collection_modifyitems(self, items):
+    def pytest_collection_modifyitems(self, config, items):
         for item in items:
             marker = item.get_closest_marker("task")
             task = marker.args[0] if marker and marker.args else None
             # task("all"): an integration test that runs every task's code together.
             self.tasks[item.nodeid] = task if task in (None, "all") else int(task)
+        if self.only_tasks is not None:
+            keep = [item for item in items if str(self.tasks[item.nodeid]) in self.only_tasks]
+            config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+            items[:] = keep
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -120,19 +126,23 @@ class _Collector:
 def pytest_configure(config):
     path = os.environ.get(REPORT_ENV)
     if path:
-        config.pluginmanager.register(_Collector(path), "minicb-check-collector")
+        tasks = os.environ.get(TASKS_ENV)
+        only = {t.strip() for t in tasks.split(",") if t.strip()} if tasks else None
+        config.pluginmanager.register(_Collector(path, only), "minicb-check-collector")
 
 
 # ---- the grader half: runs in your process --------------------------------------
 
 
 def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
-              pytest_args: list[str] | tuple[str, ...] = (), verbose: bool = False) -> Report:
+              pytest_args: list[str] | tuple[str, ...] = (), verbose: bool = False,
+              tasks: list[int | str] | None = None) -> Report:
     """Run chapter `chapter`'s tests against the student's file; collect per-test results.
 
     exercise_file: grade this file instead of chapters/NN-slug/exercise.py.
     pytest_args: passed on to pytest (e.g. ["-k", "not random"]).
     verbose: let pytest print to the terminal (-v) instead of capturing it.
+    tasks: run only the tests of these tasks (e.g. [2] or [1, "all"]); None runs them all.
     """
     module = impl.module_for_chapter(chapter)  # raises ValueError naming the allowed chapters
     test_files = sorted((impl.ROOT / "tests").glob(f"test_ch{chapter:02d}_*.py"))
@@ -157,6 +167,9 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
             raise FileNotFoundError(f"exercise file not found: {impl.exercise_path(module)}")
         env["MINICB_IMPL"] = "student"
 
+    env.pop(TASKS_ENV, None)
+    if tasks is not None:
+        env[TASKS_ENV] = ",".join(map(str, tasks))
     with tempfile.TemporaryDirectory() as scratch:
         env[REPORT_ENV] = os.path.join(scratch, "results.json")
         # no:cacheprovider: grading must not leave .pytest_cache behind, nor reorder
@@ -216,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("chapter", type=int, help="chapter number, e.g. 3")
     parser.add_argument("--file", help="grade this file instead of chapters/NN-slug/exercise.py")
     parser.add_argument("-k", dest="keyword", help="only run tests whose names match this pytest -k expression")
+    parser.add_argument("--task", action="append", dest="tasks", metavar="K",
+                        help="only grade task K (a number, or 'all' for the integration row); repeatable")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show pytest's output and every failing test in full")
     args = parser.parse_args(argv)
@@ -224,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         module = impl.module_for_chapter(args.chapter)
         target = args.file or impl.exercise_path(module).relative_to(impl.ROOT)
         print(f"chapter {args.chapter} ({module}): grading {target}", flush=True)
-        report = run_tests(args.chapter, args.file, ["-k", args.keyword] if args.keyword else [], args.verbose)
+        report = run_tests(args.chapter, args.file, ["-k", args.keyword] if args.keyword else [], args.verbose,
+                           args.tasks)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

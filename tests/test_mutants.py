@@ -32,13 +32,34 @@ class Mutant:
     bug: str  # what a student got wrong, in words
     target: str  # "function" or "Class.method" of the chapter's reference module
     edits: list[tuple[str, str]]  # (old, new) text replacements in the target's source
+    extra: str = ""  # more source for the file, e.g. a given wrapper that must call the mutated function
 
+
+# The exercises' own wrapper, so the reference loop runs the mutated run_batch.
+RUN_STATIC_WRAPPER = """
+def run_static(model, prompts, params, batch_size=16, batch_runner=None):
+    return _reference.run_static(model, prompts, params, batch_size, batch_runner=batch_runner or run_batch)
+"""
 
 MUTANTS = [
+    # ---- chapter 01: naive generation
+    Mutant(1, 1, "the no-cache loop samples from the first position's logits, not the last", "generate_no_cache",
+           [("logits_at=last)", "logits_at=torch.zeros_like(last))")]),
+    Mutant(1, 2, "the cache's causal mask lets each query see one future key", "ContiguousKVCache.__call__",
+           [(".tril(diagonal=start)", ".tril(diagonal=start + 1)")]),
+    Mutant(1, 3, "the cached loop feeds each decode at the wrong position", "generate_with_cache",
+           [("positions = torch.tensor([[cache.seq_len]]", "positions = torch.tensor([[cache.seq_len + 1]]")]),
+    # ---- chapter 02: static batching
+    Mutant(2, 1, "left_pad marks the padding as real tokens", "left_pad",
+           [("mask[row, P - len(p):] = True", "mask[row, :] = True")]),
+    Mutant(2, 2, "the padded cache masks the generated columns too", "PaddedKVCache.__init__",
+           [("torch.ones(B, max_len, dtype=torch.bool", "torch.zeros(B, max_len, dtype=torch.bool")]),
+    Mutant(2, 3, "run_batch does not count the finished rows' wasted steps", "run_batch",
+           [("stats.idle_slot_steps += B - sum(live)", "stats.idle_slot_steps += 0")], RUN_STATIC_WRAPPER),
     # ---- chapter 03: the block allocator
     Mutant(3, 1, "a failed allocate leaves the sequence registered", "BlockAllocator.allocate",
-           [("        needed = self.blocks_needed(num_tokens)\n",
-             "        needed = self.blocks_needed(num_tokens)\n        self._block_tables[seq_id] = []\n")]),
+           [("    needed = self.blocks_needed(num_tokens)\n",
+             "    needed = self.blocks_needed(num_tokens)\n    self._block_tables[seq_id] = []\n")]),
     Mutant(3, 2, "append writes into a shared last block instead of copying it", "BlockAllocator.append",
            [("elif self._ref_counts[table[-1]] > 1:", "elif False:")]),
     Mutant(3, 3, "fork forgets to count the child's reference to each block", "BlockAllocator.fork",
@@ -86,15 +107,17 @@ def mutant_source(mutant: Mutant) -> str:
         lines += [f"class {owner}(_reference.{owner}):", textwrap.indent(source, "    ")]
     else:
         lines += [source]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + mutant.extra
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"ch{m.chapter}-task{m.task}-{m.bug[:40]}")
 def test_check_fails_the_mutant(mutant, tmp_path):
     path = tmp_path / f"mutant_ch{mutant.chapter}.py"
     path.write_text(mutant_source(mutant))
-    # -x: the first failing test is enough; hypothesis' 10,000 cases would take a minute.
-    report = check.run_tests(mutant.chapter, path, ["-m", "not slow", "-x", "-k", "not hypothesis"])
+    # Only the mutated task's tests and the integration row, and -x: the first failure is
+    # enough (and hypothesis' 10,000 cases would take a minute).
+    report = check.run_tests(mutant.chapter, path, ["-m", "not slow", "-x", "-k", "not hypothesis"],
+                             tasks=[mutant.task, "all"])
     assert not report.errors, f"the mutant did not even load, so this proves nothing: {report.errors}"
     failed = [r for r in report.results if r.outcome == "failed"]
     assert failed, (f"check {mutant.chapter} passed a submission whose task {mutant.task} has a bug: "
