@@ -287,10 +287,11 @@ def draw_timeline(ax, traces: list[StepTrace], *, title: str | None = None, curr
     for boundary in range(num_slots - 1):  # thin white lines keep neighbouring slots apart
         ax.axhline(boundary + 0.5, color="white", linewidth=0.8)
 
-    styles = {"stop": dict(marker="x", color="black"),
-              "length": dict(marker="|", color="black"),
-              "refill": dict(marker=">", color="white", edgecolors="black", linewidths=0.6),
-              "preempt": dict(marker="*", color="red", edgecolors="black", linewidths=0.4, s=70)}
+    # The terminal timeline's characters (MARKERS), drawn as mathtext markers, so a
+    # reader who learnt "# = max_tokens" in the demo reads the figure the same way.
+    styles = {kind: dict(marker="$" + char.replace("#", r"\#") + "$", s=40,
+                         color="red" if kind == "preempt" else "black")
+              for kind, char in MARKERS.items()}
     events = [e for e in step_events(traces) if e[1] is not None and e[0] <= upto]
     for kind, style in styles.items():
         points = [(first + i, slot) for i, slot, k, _ in events if k == kind]
@@ -312,8 +313,7 @@ def draw_timeline(ax, traces: list[StepTrace], *, title: str | None = None, curr
                    Patch(facecolor=request_color(sample), label="decode"),
                    Patch(facecolor=_GREY, label="wasted row"),
                    Patch(facecolor=_WHITE, edgecolor="0.6", label="empty")]
-        handles += [Line2D([], [], linestyle="", marker=s["marker"], markersize=9 if k == "preempt" else 7,
-                           color=s["color"], markeredgecolor=s.get("edgecolors", s["color"]),
+        handles += [Line2D([], [], linestyle="", marker=s["marker"], markersize=8, color=s["color"],
                            label=_MARKER_MEANING[k])
                     for k, s in styles.items()]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
