@@ -9,7 +9,9 @@ You will learn:
   dense tensor (version 1), or visit them one block at a time with an online
   softmax that never holds the whole context (version 2, the shape of every
   fused kernel, including chapter 05's Triton one);
-- attention for a ragged batch of prompts packed into one tensor (`cu_seqlens_q`).
+- attention for a ragged batch of prompts packed into one tensor (`cu_seqlens_q`);
+- why the engine checks its arguments once per step and runs unchecked twins
+  of these functions inside the forward, which never read a tensor on the host.
 
 Run `python -m minicb.paged_attention` for a check and benchmark against dense
 attention. Chapter 04 (chapters/04-paged-attention/README.md) explains it all.
@@ -32,11 +34,11 @@ import torch
 # was wrong. The checks read context_lens and block_tables on the host, which
 # on CUDA waits for the GPU to finish everything queued before it (a sync).
 # That is fine for one call, but the model calls attention in every layer, and
-# a forward that syncs cannot be captured as a CUDA graph (chapter 07). So the
-# engine checks once per step instead, on the Python lists it builds the batch
-# from (`AttentionMetadata` in minicb/paged_model.py), and inside the forward
-# it calls the `*_unchecked` entry points at the end of the kernels below,
-# which read no tensor's value on the host.
+# a forward that syncs cannot be captured as a CUDA graph (a later chapter).
+# So the engine checks once per step instead, on the Python lists it builds
+# the batch from (`AttentionMetadata` in minicb/paged_model.py), and inside the
+# forward it calls the `*_unchecked` twin of each function below, which takes
+# every size it needs as a Python int and reads no tensor's value on the host.
 
 
 def _is_int(t: torch.Tensor) -> bool:

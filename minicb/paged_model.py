@@ -16,6 +16,11 @@ the ragged prefill over the rest. The kernels come from chapter 04
 (`minicb.paged_attention`, attention="torch") or chapter 05
 (`minicb.triton_attention`, attention="triton"); both share one signature.
 
+The batch is checked once per step, on the host lists, when the metadata is
+built and when `PagedAttention` is made; inside the forward the kernels run
+unchecked and nothing reads a tensor's value on the host, which on a GPU would
+stall every layer (tests/test_host_syncs.py counts such reads).
+
 `generate_paged` is the smallest loop that uses it: one sequence at a time, to
 check that paging changes nothing (its greedy tokens equal chapter 01's).
 Chapter 06's engine builds the same metadata for many sequences at once.
