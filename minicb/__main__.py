@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="throughput and latency: minicb engines vs HF transformers", add_help=False)
     sub.add_parser("check", help="run a chapter's tests against your exercise file", add_help=False)
     args, rest = ap.parse_known_args(argv)
+    if args.command in ("generate", "demo", "bench"):
+        # Triton must know before its first import whether to interpret (no GPU) or compile.
+        from minicb.triton_mode import choose_triton_mode
+        choose_triton_mode()
 
     if args.command == "bench":
         from minicb.bench.cli import main as bench_main

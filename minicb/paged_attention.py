@@ -9,7 +9,9 @@ You will learn:
   dense tensor (version 1), or visit them one block at a time with an online
   softmax that never holds the whole context (version 2, the shape of every
   fused kernel, including chapter 05's Triton one);
-- attention for a ragged batch of prompts packed into one tensor (`cu_seqlens_q`).
+- attention for a ragged batch of prompts packed into one tensor (`cu_seqlens_q`);
+- why the engine checks its arguments once per step and runs unchecked twins
+  of these functions inside the forward, which never read a tensor on the host.
 
 Run `python -m minicb.paged_attention` for a check and benchmark against dense
 attention. Chapter 04 (chapters/04-paged-attention/README.md) explains it all.
@@ -28,10 +30,15 @@ import torch
 # Argument checks, shared with chapter 05's Triton kernels.
 #
 # A wrong block id here does not crash: it silently reads another request's
-# keys. So every entry point checks its arguments and says exactly what was
-# wrong. The checks read context_lens and block_tables on the host, which
-# costs a device sync on CUDA; that is the price of a teaching engine that
-# fails loudly.
+# keys. So every public function checks its arguments and says exactly what
+# was wrong. The checks read context_lens and block_tables on the host, which
+# on CUDA waits for the GPU to finish everything queued before it (a sync).
+# That is fine for one call, but the model calls attention in every layer, and
+# a forward that syncs cannot be captured as a CUDA graph (a later chapter).
+# So the engine checks once per step instead, on the Python lists it builds
+# the batch from (`AttentionMetadata` in minicb/paged_model.py), and inside the
+# forward it calls the `*_unchecked` twin of each function below, which takes
+# every size it needs as a Python int and reads no tensor's value on the host.
 
 
 def _is_int(t: torch.Tensor) -> bool:
@@ -161,11 +168,18 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"slot_mapping holds slot {int(slots.max())}, but the pool has only "
                          f"num_blocks * block_size = {num_blocks} * {block_size} = "
                          f"{num_blocks * block_size} slots")
+    store_kv_unchecked(k[keep], v[keep], k_cache, v_cache, slots)
+
+
+def store_kv_unchecked(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """store_kv for slots already known to lie in the pool, none of them padding. Reads nothing on the host."""
+    slots = slot_mapping.long()
+    block_size = k_cache.shape[1]
     # Index block and offset separately rather than flattening the cache with
     # .view(-1, ...): that also works on a cache that is a strided view.
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep]
-    v_cache[blocks, offsets] = v[keep]
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
 
 
 # ----------------------------------------------------------------------------
@@ -205,35 +219,42 @@ def _attend(queries, keys, values, mask, scale):
         queries.float(), keys.float(), values.float(), attn_mask=mask, scale=scale)  # [N, Hkv, M, D]
 
 
-def _used_table(block_tables, context_lens, block_size):
-    """The first num_used_blocks columns of the table, int64, with padding entries pointed at block 0.
+def decode_plan(block_tables, context_lens, max_context_len: int, block_size: int):
+    """What the gather reads, worked out once: (table [S, nb] int64, mask [S, 1, 1, nb * B] bool).
 
-    Entries past a sequence's last block may hold anything (often -1); pointing
-    them at block 0 keeps the gather in bounds, and the length mask hides what it reads.
-    Returns (table [S, num_used_blocks], block_starts [num_used_blocks]).
+    nb is the number of blocks the longest sequence uses, from max_context_len,
+    a Python int: taking it from context_lens.max() would read a tensor on the
+    host. Entries past a sequence's last block may hold anything (often -1);
+    pointing them at block 0 keeps the gather in bounds, and the mask hides
+    what it reads. Every layer of a step reads the same blocks, so the engine
+    builds this once per step and hands it to all of them.
     """
-    num_used_blocks = -(-int(context_lens.max()) // block_size)  # the longest sequence's, not the table width
-    block_starts = torch.arange(0, num_used_blocks * block_size, block_size, device=block_tables.device)
-    in_use = block_starts[None, :] < context_lens[:, None]  # [S, num_used_blocks]
+    num_used_blocks = -(-max_context_len // block_size)  # the longest sequence's, not the table width
+    positions = torch.arange(num_used_blocks * block_size, device=context_lens.device)  # [T]
+    visible = positions[None, :] < context_lens[:, None]  # [S, T] key t exists for sequence s
+    in_use = visible[:, ::block_size]  # [S, nb] a block is in use when its first slot is
     table = torch.where(in_use, block_tables[:, :num_used_blocks].long(), 0)
-    return table, block_starts
+    return table, visible[:, None, None, :]
+
+
+def attend_gathered(q, k_cache, v_cache, table, mask, scale=None):
+    """Version 1 once its plan is known: gather, then one masked attention. Returns [num_seqs, n_q_heads, head_dim]."""
+    num_seqs, n_q_heads, head_dim = q.shape
+    n_kv_heads = k_cache.shape[2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    keys = _gather(k_cache, table).transpose(1, 2)  # [S, T, Hkv, D] -> [S, Hkv, T, D]
+    values = _gather(v_cache, table).transpose(1, 2)  # [S, Hkv, T, D]
+    queries = q.reshape(num_seqs, n_kv_heads, n_q_heads // n_kv_heads, head_dim)  # [S, Hkv, G, D]
+    out = _attend(queries, keys, values, mask, scale)  # [S, Hkv, G, D]
+    return out.reshape(num_seqs, n_q_heads, head_dim).to(q.dtype)
 
 
 def paged_decode_attention_gather(q, k_cache, v_cache, block_tables, context_lens, scale=None):
     """Decode attention by gathering each sequence's blocks to dense K/V. Returns [num_seqs, n_q_heads, head_dim]."""
     check_paged_args(q, k_cache, v_cache, block_tables, context_lens)
-    num_seqs, n_q_heads, head_dim = q.shape
-    block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    scale = head_dim ** -0.5 if scale is None else scale
-    table, _ = _used_table(block_tables, context_lens, block_size)
-
-    keys = _gather(k_cache, table).transpose(1, 2)  # [S, T, Hkv, D] -> [S, Hkv, T, D]
-    values = _gather(v_cache, table).transpose(1, 2)  # [S, Hkv, T, D]
-    positions = torch.arange(keys.shape[2], device=q.device)  # [T]
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, T]
-    queries = q.reshape(num_seqs, n_kv_heads, n_q_heads // n_kv_heads, head_dim)  # [S, Hkv, G, D]
-    out = _attend(queries, keys, values, mask, scale)  # [S, Hkv, G, D]
-    return out.reshape(num_seqs, n_q_heads, head_dim).to(q.dtype)
+    # The checks have read context_lens on the host already; one more read is free.
+    table, mask = decode_plan(block_tables, context_lens, int(context_lens.max()), k_cache.shape[1])
+    return attend_gathered(q, k_cache, v_cache, table, mask, scale)
 
 
 # ----------------------------------------------------------------------------
@@ -261,7 +282,7 @@ def paged_decode_attention_online(q, k_cache, v_cache, block_tables, context_len
     block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_q_heads // n_kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
-    table, block_starts = _used_table(block_tables, context_lens, block_size)
+    table, _ = decode_plan(block_tables, context_lens, int(context_lens.max()), block_size)
     # Scaling q once is cheaper than scaling every score.
     queries = q.float().reshape(num_seqs, n_kv_heads, group, head_dim) * scale  # [S, Hkv, G, D]
 
@@ -269,7 +290,7 @@ def paged_decode_attention_online(q, k_cache, v_cache, block_tables, context_len
     running_sum = torch.zeros(num_seqs, n_kv_heads, group, device=q.device)
     acc = torch.zeros(num_seqs, n_kv_heads, group, head_dim, device=q.device)
     offsets = torch.arange(block_size, device=q.device)  # [B]
-    for j, block_start in enumerate(block_starts.tolist()):
+    for j, block_start in enumerate(range(0, table.shape[1] * block_size, block_size)):
         keys = k_cache.index_select(0, table[:, j]).float()  # [S, B, Hkv, D]
         values = v_cache.index_select(0, table[:, j]).float()  # [S, B, Hkv, D]
         valid = (block_start + offsets)[None, :] < context_lens[:, None]  # [S, B]
@@ -292,6 +313,14 @@ def paged_decode_attention_online(q, k_cache, v_cache, block_tables, context_len
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None):
     """The decode attention the model calls: version 1, the faster of the two in PyTorch."""
     return paged_decode_attention_gather(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+# The engine's decode, unchecked: the arguments were checked once for the whole
+# step, and plan = decode_plan(...) was built once and is shared by every layer.
+# Chapter 05's Triton backend has the same pair, with a plan of its own.
+def paged_decode_attention_unchecked(q, k_cache, v_cache, plan, scale=None):
+    """Version 1 from a prepared plan (table, mask). Reads nothing on the host. Returns like q."""
+    return attend_gathered(q, k_cache, v_cache, *plan, scale)
 
 
 # ----------------------------------------------------------------------------
@@ -352,6 +381,16 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu_
             raise ValueError(f"sequence {i} has {q_len} query tokens but context length {n}; its queries "
                              f"are the last tokens of its context, so q_len must be <= context_len")
 
+    return paged_prefill_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
+                                             starts, lens, scale)
+
+
+def paged_prefill_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
+                                      query_starts: list[int], lens: list[int], scale=None):
+    """paged_prefill_attention for arguments already checked, with cu_seqlens_q and context_lens
+    also given as Python lists (query_starts, lens): the loop below runs on them, so it reads
+    no tensor on the host. cu_seqlens_q itself is unused here (the Triton prefill reads it)."""
+    q_lens = [end - start for start, end in zip(query_starts[:-1], query_starts[1:])]
     n_q_heads, head_dim = q.shape[1:]
     block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_q_heads // n_kv_heads
@@ -360,13 +399,13 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu_
 
     decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
     if decodes:
-        rows = last_rows[decodes]
-        out[rows] = paged_decode_attention_gather(q[rows], k_cache, v_cache, block_tables[decodes],
-                                                  context_lens[decodes], scale)
+        rows = torch.tensor([query_starts[i] for i in decodes], device=q.device)  # their q rows
+        plan = decode_plan(block_tables[decodes], context_lens[decodes], max(lens[i] for i in decodes), block_size)
+        out[rows] = attend_gathered(q[rows], k_cache, v_cache, *plan, scale)
     for i, (q_len, n) in enumerate(zip(q_lens, lens)):
         if q_len == 1:
             continue
-        start = starts[i]
+        start = query_starts[i]
         table = block_tables[i:i + 1, :-(-n // block_size)].long()  # [1, blocks of sequence i]
         keys = _gather(k_cache, table).transpose(1, 2)  # [1, Hkv, T, D], T = n rounded up to a block
         values = _gather(v_cache, table).transpose(1, 2)  # [1, Hkv, T, D]

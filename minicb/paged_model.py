@@ -16,6 +16,11 @@ the ragged prefill over the rest. The kernels come from chapter 04
 (`minicb.paged_attention`, attention="torch") or chapter 05
 (`minicb.triton_attention`, attention="triton"); both share one signature.
 
+The batch is checked once per step, on the host lists, when the metadata is
+built and when `PagedAttention` is made; inside the forward the kernels run
+unchecked and nothing reads a tensor's value on the host, which on a GPU would
+stall every layer (tests/test_host_syncs.py counts such reads).
+
 `generate_paged` is the smallest loop that uses it: one sequence at a time, to
 check that paging changes nothing (its greedy tokens equal chapter 01's).
 Chapter 06's engine builds the same metadata for many sequences at once.
@@ -23,6 +28,7 @@ Chapter 06's engine builds the same metadata for many sequences at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -37,31 +43,95 @@ ATTENTION_BACKENDS = ("torch", "triton")
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs to know about a ragged batch. Built fresh each step."""
+    """Everything attention needs to know about a ragged batch. Built fresh each step, and checked then.
+
+    The tensors are what the kernels read, on the model's device. The lists beside
+    them hold the same numbers on the host, for whatever the forward needs as a
+    Python int (where the prefills start in q, the longest decode, each prompt's
+    length). Reading those back from the tensors would make the host wait for the
+    GPU in every layer, and a forward that waits cannot be captured as a CUDA graph.
+    """
 
     slot_mapping: torch.Tensor  # [N] int64: KV slot of each new token (block * block_size + offset)
     block_tables: torch.Tensor  # [S, max_blocks] int32: physical blocks of each sequence (-1 padded)
     context_lens: torch.Tensor  # [S] int32: tokens each sequence attends over, new ones included
     cu_seqlens_q: torch.Tensor  # [S + 1] int32: sequence i's new tokens are q[cu[i]:cu[i+1]]
     num_decodes: int  # the first num_decodes sequences have exactly one new token
+    host_block_tables: list[list[int]]  # block_tables on the host, unpadded
+    host_context_lens: list[int]  # context_lens on the host
+    host_cu_seqlens_q: list[int]  # cu_seqlens_q on the host
+    max_slot: int  # the largest slot in slot_mapping (-1 if no tokens)
 
     @staticmethod
     def build(block_tables: list[list[int]], context_lens: list[int], num_new_tokens: list[int],
               slot_mapping: list[int], num_decodes: int, device) -> "AttentionMetadata":
-        """From plain Python lists (what the allocator hands out) to tensors on `device`."""
+        """From plain Python lists (what the allocator hands out) to tensors on `device`.
+
+        Raises ValueError naming the bad value if the lists don't describe a batch.
+        These checks, and check_fits() against the pool, run once per step on the
+        host, so the kernels inside the forward can run unchecked.
+        """
+        num_seqs = len(block_tables)
+        if num_seqs == 0 or len(context_lens) != num_seqs or len(num_new_tokens) != num_seqs:
+            raise ValueError(f"block_tables, context_lens and num_new_tokens need one entry per sequence (at least "
+                             f"one); got {num_seqs}, {len(context_lens)} and {len(num_new_tokens)}")
+        if not 0 <= num_decodes <= num_seqs:
+            raise ValueError(f"num_decodes = {num_decodes} must be in [0, {num_seqs}] (the number of sequences)")
+        for i, (q_len, n) in enumerate(zip(num_new_tokens, context_lens)):
+            if not 1 <= q_len <= n:
+                raise ValueError(f"sequence {i} has {q_len} new tokens and context length {n}; each sequence needs "
+                                 f"1 <= new tokens <= context length (its new tokens are the last of its context)")
+            if i < num_decodes and q_len != 1:
+                raise ValueError(f"sequence {i} is one of the first num_decodes = {num_decodes} (decodes) but has "
+                                 f"{q_len} new tokens; a decode has exactly 1")
+        if len(slot_mapping) != sum(num_new_tokens):
+            raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {sum(num_new_tokens)} new tokens; "
+                             f"every new token needs one")
+        if min(slot_mapping) < 0:
+            i = next(i for i, slot in enumerate(slot_mapping) if slot < 0)
+            raise ValueError(f"slot_mapping[{i}] = {slot_mapping[i]}: every new token of a step needs a slot >= 0")
+
         width = max(len(t) for t in block_tables)
-        tables = torch.full((len(block_tables), width), -1, dtype=torch.int32)
+        tables = torch.full((num_seqs, width), -1, dtype=torch.int32)
         for i, t in enumerate(block_tables):
             tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        cu = torch.zeros(len(num_new_tokens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(num_new_tokens, dtype=torch.int32).cumsum(0)
+        cu = [0]
+        for q_len in num_new_tokens:
+            cu.append(cu[-1] + q_len)
         return AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
             block_tables=tables.to(device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32).to(device),
-            cu_seqlens_q=cu.to(device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
             num_decodes=num_decodes,
+            host_block_tables=[list(t) for t in block_tables],
+            host_context_lens=list(context_lens),
+            host_cu_seqlens_q=cu,
+            max_slot=max(slot_mapping),
         )
+
+    def check_fits(self, num_blocks: int, block_size: int) -> None:
+        """Raise ValueError naming the bad value unless every block id and slot lies in the pool.
+
+        Chapter 04's check_paged_args asks the same of the tensors, which costs a
+        host read per call; this asks it of the host lists, once per step.
+        """
+        if self.max_slot >= num_blocks * block_size:
+            raise ValueError(f"slot_mapping holds slot {self.max_slot}, but the pool has only num_blocks * "
+                             f"block_size = {num_blocks} * {block_size} = {num_blocks * block_size} slots")
+        for i, (table, n) in enumerate(zip(self.host_block_tables, self.host_context_lens)):
+            used = -(-n // block_size)  # blocks sequence i reads
+            if used > len(table):
+                raise ValueError(f"sequence {i} has context length {n}, which needs {used} blocks of {block_size}, "
+                                 f"but its block table lists {len(table)}: {table}")
+            for j, block in enumerate(table[:used]):
+                if not 0 <= block < num_blocks:
+                    raise ValueError(f"block_tables[{i}][{j}] = {block} is not a block id: each must be in "
+                                     f"[0, num_blocks) = [0, {num_blocks})")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.host_context_lens)
 
     def last_token_index(self) -> torch.Tensor:
         """[1, S]: where each sequence's last new token sits in the packed batch (for its logits)."""
@@ -78,37 +148,79 @@ def attention_kernels(name: str):
 
 
 class PagedAttention:
-    """The model's `attention` object for one forward over the paged pool."""
+    """The model's `attention` object for one forward over the paged pool.
+
+    It checks the metadata against the pool once, when it is made (once per
+    step), and builds what every layer shares. Then each layer's call only
+    launches kernels, unchecked, and reads no tensor's value on the host.
+    """
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  metadata: AttentionMetadata, kernels):
         self.k_caches, self.v_caches = k_caches, v_caches  # per layer [num_blocks, block_size, n_kv, hd]
-        self.meta = metadata
-        self.kernels = kernels
+        self.meta = meta = metadata
+        num_blocks, block_size = k_caches[0].shape[:2]
+        meta.check_fits(num_blocks, block_size)
+        self.ops = _unchecked_ops(kernels)
         # Ragged prefill: the backend's own, except under the Triton interpreter
         # (CPU), where running a whole prompt through Python-level kernel programs
         # takes minutes; there chapter 04's PyTorch prefill does it, and Triton keeps
         # store_kv and decode, the kernels chapter 05 is about.
-        self.prefill = kernels.paged_prefill_attention
+        self.prefill = self.ops.prefill
         if getattr(kernels, "INTERPRETED", False):
-            self.prefill = impl.load("paged_attention").paged_prefill_attention
+            self.prefill = _unchecked_ops(impl.load("paged_attention")).prefill
+
+        d = meta.num_decodes  # decode tokens are q[:d], one per sequence
+        # Every layer reads the same blocks, so what the decode kernel needs to
+        # find them (chapter 04: the gather table and length mask) is built once, here.
+        self.decode_plan = None
+        if d > 0:
+            self.decode_plan = self.ops.decode_plan(meta.block_tables[:d], meta.context_lens[:d],
+                                                    max(meta.host_context_lens[:d]), block_size)
+        # Prefill tokens are q[first:], with offsets relative to the first one.
+        self.first_prefill_token = meta.host_cu_seqlens_q[d]
+        self.prefill_starts = [start - self.first_prefill_token for start in meta.host_cu_seqlens_q[d:]]
+        self.prefill_cu = meta.cu_seqlens_q[d:] - self.first_prefill_token
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [1, N, n_heads, hd]; k, v [1, N, n_kv_heads, hd]
         meta, k_cache, v_cache = self.meta, self.k_caches[layer], self.v_caches[layer]
-        self.kernels.store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
+        self.ops.store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
         q = q[0]  # [N, n_heads, hd]
-        d = meta.num_decodes  # decode tokens are q[:d], one per sequence
+        d = meta.num_decodes
         parts = []
         if d > 0:
-            parts.append(self.kernels.paged_decode_attention(
-                q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d]))
-        if meta.context_lens.shape[0] > d:
-            cu = meta.cu_seqlens_q[d:] - meta.cu_seqlens_q[d]  # offsets relative to the first prefill token
-            parts.append(self.prefill(q[meta.cu_seqlens_q[d]:], k_cache, v_cache,
-                                      meta.block_tables[d:], meta.context_lens[d:], cu))
+            parts.append(self.ops.decode(q[:d], k_cache, v_cache, self.decode_plan))
+        if meta.num_seqs > d:
+            parts.append(self.prefill(q[self.first_prefill_token:], k_cache, v_cache, meta.block_tables[d:],
+                                      meta.context_lens[d:], self.prefill_cu, self.prefill_starts,
+                                      meta.host_context_lens[d:]))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out[None]  # [1, N, n_heads, hd]
+
+
+def _unchecked_ops(kernels) -> SimpleNamespace:
+    """A backend's unchecked entry points: store_kv, decode_plan, decode, prefill.
+
+    Chapters 04 and 05 provide them (the `*_unchecked` functions and decode_plan).
+    A student's exercise module (MINICB_IMPL=student) has only the checked public
+    functions; those give the same answers, and check (and read the host) in every layer.
+    """
+    if hasattr(kernels, "paged_decode_attention_unchecked"):
+        return SimpleNamespace(store_kv=kernels.store_kv_unchecked, decode_plan=kernels.decode_plan,
+                               decode=kernels.paged_decode_attention_unchecked,
+                               prefill=kernels.paged_prefill_attention_unchecked)
+
+    def decode_plan(block_tables, context_lens, max_context_len, block_size):
+        return block_tables, context_lens
+
+    def decode(q, k_cache, v_cache, plan):
+        return kernels.paged_decode_attention(q, k_cache, v_cache, *plan)
+
+    def prefill(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, query_starts, lens):
+        return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
+
+    return SimpleNamespace(store_kv=kernels.store_kv, decode_plan=decode_plan, decode=decode, prefill=prefill)
 
 
 def generate_paged(model: Model, prompt_ids: list[int], params: SamplingParams, attention: str = "torch",

@@ -29,17 +29,17 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import torch
 
 # Without a GPU the kernels run under the Triton interpreter, which executes
-# each program with numpy on the CPU. Triton reads TRITON_INTERPRET when a
-# kernel is defined, and setting it before triton is even imported is early
-# enough for every version. setdefault leaves a user's explicit choice alone.
-_TRITON_IMPORTED_BEFORE_US = "triton" in sys.modules
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# each program with numpy on the CPU. That is decided once per process, before
+# triton is imported, by minicb.triton_mode.choose_triton_mode(), which the
+# CLI, the tests and the notebooks call; importing this module changes nothing.
+# Run as a script, it is the entry point, so it makes the choice itself.
+if __name__ == "__main__":
+    from minicb.triton_mode import choose_triton_mode
+    choose_triton_mode()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -286,7 +286,7 @@ def _reduce_kernel(
 # Wrappers: check on the host, allocate, pick the launch shape, launch.
 
 INTERPRETED = isinstance(_decode_kernel, InterpretedFunction)  # True under TRITON_INTERPRET=1
-_INTERPRET_SETTING = os.environ.get("TRITON_INTERPRET")
+_INTERPRET_SETTING = os.environ.get("TRITON_INTERPRET")  # as it was when the kernels above were defined
 
 
 def _check_device(**tensors: torch.Tensor) -> None:
@@ -301,11 +301,11 @@ def _check_device(**tensors: torch.Tensor) -> None:
                          f"tensors, but got tensors on {device}; move them with .cpu(), or start Python "
                          f"without TRITON_INTERPRET=1 on a CUDA machine to compile the kernels")
     if not INTERPRETED and device.type != "cuda":
-        seen = (f"TRITON_INTERPRET was {_INTERPRET_SETTING!r} when minicb.triton_attention defined them"
-                + (", and triton had been imported before it" if _TRITON_IMPORTED_BEFORE_US else ""))
-        raise ValueError(f"the kernels are compiled for a CUDA GPU ({seen}) but got tensors on {device}; move "
-                         f"the tensors to cuda, or run on the CPU by setting TRITON_INTERPRET=1 before anything "
-                         f"imports triton (e.g. `TRITON_INTERPRET=1 python ...`)")
+        raise ValueError(f"the kernels are compiled for a CUDA GPU (TRITON_INTERPRET was {_INTERPRET_SETTING!r} "
+                         f"when minicb.triton_attention defined them) but got tensors on {device}; move the "
+                         f"tensors to cuda, or run on the CPU under the interpreter: call "
+                         f"minicb.triton_mode.choose_triton_mode() before anything imports triton, or start "
+                         f"Python with TRITON_INTERPRET=1")
 
 
 def _check_pools(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -378,6 +378,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 
     A slot is block_id * block_size + offset; slots < 0 are skipped. In place."""
     check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_unchecked(k, v, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_unchecked(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """store_kv for arguments already checked (the engine checks once per step). Reads nothing on the host."""
     if k.shape[0] == 0:
         return
     if k.stride() != v.stride():  # one set of strides for both inputs; they are small, so copy
@@ -395,8 +400,22 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+# The engine's decode, unchecked, with the calling convention of chapter 04's:
+# the arguments were checked once for the whole step, and the plan is built
+# once and shared by every layer. The kernel walks the block table itself, so
+# its plan is just the table and the lengths.
+def decode_plan(block_tables, context_lens, max_context_len: int, block_size: int):
+    """What the decode kernel reads: (block_tables, context_lens) as they are."""
+    return block_tables, context_lens
+
+
+def paged_decode_attention_unchecked(q, k_cache, v_cache, plan, scale=None) -> torch.Tensor:
+    """Decode from a prepared plan. Reads nothing on the host. Returns out like q."""
+    return _launch_decode(q, k_cache, v_cache, *plan, scale)
+
+
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale=None) -> torch.Tensor:
-    # Unchecked: the benchmark times this, since the checks above sync with the GPU.
+    # Unchecked: the benchmark and the engine call this, since the checks above sync with the GPU.
     num_seqs, n_q_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -490,14 +509,26 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu_
         raise ValueError(f"cu_seqlens_q = {starts} must rise from 0 to q.shape[0] = {q.shape[0]} by at least 1 "
                          f"per sequence, and no more than its context_lens = {lens}: a sequence's new tokens "
                          f"are the last q_len tokens of its context")
+    check_attention_args(q[cu_seqlens_q[1:].long() - 1], k_cache, v_cache, block_tables, context_lens)
+    return paged_prefill_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
+                                             starts, lens, scale)
+
+
+def paged_prefill_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
+                                      query_starts, lens, scale=None) -> torch.Tensor:
+    """paged_prefill_attention for arguments already checked. It works from the tensors alone and
+    reads nothing on the host; query_starts and lens (cu_seqlens_q and context_lens as Python
+    lists, which chapter 04's prefill loops over) are not needed here."""
     # Row r of sequence s sits end_s - 1 - r tokens before the end of its context.
-    num_seqs = len(q_lens)
-    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=q.device),
-                                         torch.tensor(q_lens, device=q.device))  # [total_new_tokens]
+    # output_size gives repeat_interleave the total, which it would otherwise read on the host.
+    num_seqs = block_tables.shape[0]
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [num_seqs]
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens,
+                                         output_size=q.shape[0])  # [total_new_tokens]
     ends = cu_seqlens_q[1:].long()[seq_of_row]
     rows = torch.arange(q.shape[0], device=q.device)
     row_context = (context_lens.long()[seq_of_row] - (ends - 1 - rows)).to(context_lens.dtype)
-    return paged_decode_attention(q, k_cache, v_cache, block_tables[seq_of_row], row_context, scale)
+    return _launch_decode(q, k_cache, v_cache, block_tables[seq_of_row], row_context, scale)
 
 
 # ----------------------------------------------------------------------------

@@ -20,6 +20,11 @@ def pytest_configure(config):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from minicb.triton_mode import choose_triton_mode  # noqa: E402
+
+# Before any test module imports triton: interpret its kernels when there is no GPU.
+choose_triton_mode()
+
 
 @pytest.fixture(scope="session")
 def device() -> str:

@@ -4,15 +4,18 @@
     .venv/bin/python tools/profile_step.py --seqs 8 --context 400
 
 Both engines get the same batch of random prompts on the real model. After the
-prefill and a few warm-up steps, each runs `--steps` decode steps on the clock,
-then a few more under torch.profiler, and the script prints the mean step time
-of each and the profiler's top operators. The two step times come from one run,
-so their ratio is what to read on a shared machine. The bench
-(`python -m minicb bench`) measures whole workloads; this looks inside a step.
+prefill and a few warm-up steps, they take `--steps` decode steps on the clock
+in turns (continuous, static, continuous, ...), so that load from other
+programs on a shared machine falls on both alike, then a few more each under
+torch.profiler. The script prints the median step time of each and the
+profiler's top operators. The ratio of the two medians is the figure to read.
+The bench (`python -m minicb bench`) measures whole workloads; this looks
+inside a step.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -24,11 +27,15 @@ from minicb.static_batching import PaddedKVCache, left_pad
 from minicb.weights import load_model
 
 
-def mean_seconds(step, num_steps: int) -> float:
-    start = time.perf_counter()
+def median_seconds_in_turns(steps, num_steps: int) -> list[float]:
+    """Run the step functions in turns, num_steps each; the median seconds of each."""
+    times = [[] for _ in steps]
     for _ in range(num_steps):
-        step()
-    return (time.perf_counter() - start) / num_steps
+        for step, seconds in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - start)
+    return [statistics.median(seconds) for seconds in times]
 
 
 def top_ops(step, num_steps: int, rows: int) -> str:
@@ -76,12 +83,11 @@ def main() -> None:
     for _ in range(3):
         static_step()
 
-    continuous = mean_seconds(engine.step, args.steps)
-    static = mean_seconds(static_step, args.steps)
+    continuous, static = median_seconds_in_turns([engine.step, static_step], args.steps)
     print(f"{args.seqs} sequences, context {args.context}-{args.context + 30}, torch threads "
           f"{torch.get_num_threads()}")
-    print(f"continuous step {continuous * 1e3:.0f} ms, static step {static * 1e3:.0f} ms, "
-          f"ratio {continuous / static:.2f}")
+    print(f"median of {args.steps} steps in turns: continuous step {continuous * 1e3:.0f} ms, "
+          f"static step {static * 1e3:.0f} ms, ratio {continuous / static:.2f}")
     print("\ncontinuous (engine.step: schedule, paged forward, sample, postprocess)")
     print(top_ops(engine.step, 5, args.rows))
     print("static (padded forward and argmax)")

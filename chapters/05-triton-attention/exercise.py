@@ -15,13 +15,12 @@ chapter 04):
     block_tables  [num_seqs, max_blocks] int
     context_lens  [num_seqs] int, the new token included
 """
-import os
-
 import torch
 
-# Given: the interpreter must be chosen before triton is imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Given: the interpreter must be chosen before triton is imported (no GPU: interpret).
+from minicb.triton_mode import choose_triton_mode
+
+choose_triton_mode()
 
 import triton  # noqa: E402, F401
 import triton.language as tl  # noqa: E402, F401
