@@ -33,6 +33,9 @@ class Mutant:
     target: str  # "function" or "Class.method" of the chapter's reference module
     edits: list[tuple[str, str]]  # (old, new) text replacements in the target's source
     extra: str = ""  # more source for the file, e.g. a given wrapper that must call the mutated function
+    # Reference functions to define again in the mutant's file, unchanged, so that they
+    # call the mutated function (a copied function still calls the reference's).
+    recompile: tuple[str, ...] = ()
 
 
 # The exercises' own wrapper, so the reference loop runs the mutated run_batch.
@@ -57,10 +60,30 @@ MUTANTS = [
     Mutant(2, 3, "run_batch does not count the finished rows' wasted steps", "run_batch",
            [("stats.idle_slot_steps += B - sum(live)", "stats.idle_slot_steps += 0")], RUN_STATIC_WRAPPER),
     # ---- chapter 03: the block allocator
+    # ---- chapter 04: paged attention in PyTorch
+    Mutant(4, 1, "store_kv treats slot 0 as padding", "store_kv",
+           [("keep = slot_mapping >= 0", "keep = slot_mapping > 0")]),
+    Mutant(4, 2, "the gather reads only as many blocks as the shortest sequence needs",
+           "paged_decode_attention_gather", [("int(context_lens.max())", "int(context_lens.min())")]),
+    Mutant(4, 3, "the online softmax forgets to rescale the accumulator when the max grows",
+           "paged_decode_attention_online", [("acc = acc * rescale[..., None] +", "acc = acc +")]),
+    Mutant(4, 4, "the prefill's causal mask hides each query's own key", "paged_prefill_attention_unchecked",
+           [("<= q_positions[:, None]", "< q_positions[:, None]")], recompile=("paged_prefill_attention",)),
+    # ---- chapter 05: paged attention in Triton (host-side bugs: the kernels are shared)
+    Mutant(5, 1, "store_kv launches one program too few", "store_kv_unchecked",
+           [("_store_kv_kernel[(k.shape[0],)]", "_store_kv_kernel[(k.shape[0] - 1,)]")], recompile=("store_kv",)),
+    Mutant(5, 2, "the decode wrapper drops the 1/sqrt(head_dim) scale", "paged_decode_attention",
+           [("context_lens, scale)", "context_lens, 1.0)")]),
+    Mutant(5, 3, "split-K leaves out each sequence's newest token", "paged_decode_attention_split_k",
+           [("context_lens, scale, num_splits)", "context_lens - 1, scale, num_splits)")]),
+    Mutant(5, 4, "prefill rows see one token too few (not themselves)", "paged_prefill_attention_unchecked",
+           [("(ends - 1 - rows)", "(ends - rows)")], recompile=("paged_prefill_attention",)),
     Mutant(3, 1, "a failed allocate leaves the sequence registered", "BlockAllocator.allocate",
            [("    needed = self.blocks_needed(num_tokens)\n",
              "    needed = self.blocks_needed(num_tokens)\n    self._block_tables[seq_id] = []\n")]),
-    Mutant(3, 2, "append writes into a shared last block instead of copying it", "BlockAllocator.append",
+    Mutant(3, 2, "append takes a block but forgets to count the new token", "BlockAllocator.append",
+           [("self._num_tokens[seq_id] = num_tokens + 1", "self._num_tokens[seq_id] = num_tokens")]),
+    Mutant(3, 3, "append writes into a shared last block instead of copying it", "BlockAllocator.append",
            [("elif self._ref_counts[table[-1]] > 1:", "elif False:")]),
     Mutant(3, 3, "fork forgets to count the child's reference to each block", "BlockAllocator.fork",
            [("self._ref_counts[block] += 1", "pass")]),
@@ -107,6 +130,7 @@ def mutant_source(mutant: Mutant) -> str:
         lines += [f"class {owner}(_reference.{owner}):", textwrap.indent(source, "    ")]
     else:
         lines += [source]
+    lines += [textwrap.dedent(inspect.getsource(getattr(reference, name))) for name in mutant.recompile]
     return "\n".join(lines) + "\n" + mutant.extra
 
 
