@@ -101,7 +101,10 @@ class CachingBlockAllocator(BlockAllocator):
     - `_evictable`: OrderedDict block -> key, in the order the blocks were freed.
 
     `num_free_blocks` counts plain free + evictable blocks: both can be handed
-    out, so the scheduler's arithmetic stays chapter 06's.
+    out, so the scheduler's arithmetic stays chapter 06's. Chapter 03's
+    allocate, append (with copy-on-write) and fork work unchanged; allocate
+    simply looks nothing up. A cached block is full, and chapter 03 never
+    writes into a full block, so nobody writes into a cached block.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
