@@ -307,7 +307,7 @@ class PrefixCacheModel:
         self.key_prefix: dict[int, tuple] = {}  # every key seen -> the prefix it names
         self.history: list[list[int]] = []  # tokens of freed sequences, to re-admit (preemption)
 
-    # -- helpers
+    # -- what the engine sees and does: pool state, K/V writes, registration
 
     def pool(self):
         """(plain free blocks, evictable blocks in LRU order, block -> key) now."""
