@@ -7,10 +7,8 @@ ones chapter 01's one-at-a-time loop produces.
 import random
 
 import pytest
-import torch
 
 from minicb import LLM, SamplingParams
-from minicb.engine import Engine, EngineConfig
 from minicb.model import random_model
 from minicb.naive import first_difference, generate_with_cache
 
@@ -25,37 +23,18 @@ def tiny(device="cpu"):
 
 
 @pytest.mark.task(3)
-def test_stress_random_arrivals_with_preemption(tiny):
-    """200 requests, random lengths, random arrival steps, a pool small enough to preempt."""
+def test_stress_random_arrivals_with_preemption(tiny, engine_matches_chapter01):
+    """200 requests, random lengths, random arrival steps, a pool small enough to preempt.
+
+    The check (conftest.py): every request finishes once, with chapter 01's tokens
+    and finish reason, and every block is free at the end."""
     rng = random.Random(0)
     requests = []
     for _ in range(200):
         prompt = [rng.randrange(3, tiny.config.vocab_size) for _ in range(rng.randint(1, 24))]
         requests.append((rng.randint(0, 150), prompt, SamplingParams(max_tokens=rng.randint(1, 16))))
-    engine = Engine(tiny, EngineConfig(block_size=4, num_blocks=24, max_num_seqs=8))
-    pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
-    rid_of, finished, preemptions, step = {}, [], 0, 0
-    while pending or engine.has_unfinished():
-        while pending and requests[pending[0]][0] <= step:
-            i = pending.pop(0)
-            rid_of[engine.add_request(requests[i][1], requests[i][2])] = i
-        out = engine.step()
-        finished += out.finished
-        preemptions += sum(seq.num_preemptions for seq in out.finished)
-        step += 1
-        assert step < 5000, "the engine stopped making progress"
-    finished_ids = sorted(seq.request_id for seq in finished)
-    assert finished_ids == sorted(rid_of), (f"every request must finish exactly once: {len(rid_of)} added, "
-                                            f"{len(finished)} finished, {len(set(finished_ids))} distinct")
+    preemptions = engine_matches_chapter01(tiny, requests, block_size=4, num_blocks=24, max_num_seqs=8)
     assert preemptions > 0, "the pool was meant to force preemption, but no request was ever preempted"
-    assert engine.allocator.num_free_blocks == 24, (f"every block must be free at the end, but only "
-                                                    f"{engine.allocator.num_free_blocks} of 24 are")
-    for seq in finished:
-        _, prompt, params = requests[rid_of[seq.request_id]]
-        want = generate_with_cache(tiny, prompt, params).token_ids
-        got = seq.output_token_ids
-        assert got == want, (f"request {rid_of[seq.request_id]}: "
-                             f"{first_difference(got, want, ('engine', 'chapter 01'))}")
 
 
 @pytest.mark.task(1)
