@@ -73,7 +73,7 @@ class BlockAllocator:
         # pool hands out 0, 1, 2, ... so the first block tables are easy to read.
         # FIFO also means a freed block is reused as late as possible, which
         # keeps its contents around the longest -- exactly what prefix caching
-        # (chapter 07) wants when it revives a finished request's blocks.
+        # (minicb/prefix_cache.py) wants when it revives a finished request's blocks.
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
         self._block_tables: dict[int, list[int]] = {}

@@ -196,7 +196,8 @@ def test_decode_with_block_offsets_past_2_to_the_31(version, huge_pool):
             k_cache[table[t // BIG_BLOCK_SIZE], t % BIG_BLOCK_SIZE] = k[t]
             v_cache[table[t // BIG_BLOCK_SIZE], t % BIG_BLOCK_SIZE] = v[t]
     block_tables = torch.tensor([tables[0], tables[1] + [-1]], dtype=torch.int32)
-    assert (BIG_NUM_BLOCKS - 3) * BIG_BLOCK_SIZE * BIG_HEADS * BIG_HEAD_DIM > 2**31
+    assert (BIG_NUM_BLOCKS - 3) * BIG_BLOCK_SIZE * BIG_HEADS * BIG_HEAD_DIM > 2**31, \
+        "test setup: the pool must pass 2**31 elements, or int32 offsets would not overflow"
     q = torch.randn(2, 4, BIG_HEAD_DIM, generator=gen).to(torch.float16)
 
     out = getattr(pa, version)(q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32))
