@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
-from minicb import impl
+from minicb import cpu_attention, impl
 from minicb.block_allocator import BlockAllocator
 from minicb.model import Model
 from minicb.naive import Generation, check_prompt
@@ -91,10 +91,10 @@ class AttentionMetadata:
             i = next(i for i, slot in enumerate(slot_mapping) if slot < 0)
             raise ValueError(f"slot_mapping[{i}] = {slot_mapping[i]}: every new token of a step needs a slot >= 0")
 
+        # Pad the rows with -1 in Python and make one tensor: one small tensor per
+        # row would cost a few milliseconds a step at 32 sequences.
         width = max(len(t) for t in block_tables)
-        tables = torch.full((num_seqs, width), -1, dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        tables = torch.tensor([list(t) + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         cu = [0]
         for q_len in num_new_tokens:
             cu.append(cu[-1] + q_len)
@@ -171,10 +171,14 @@ class PagedAttention:
             self.prefill = _unchecked_ops(impl.load("paged_attention")).prefill
 
         d = meta.num_decodes  # decode tokens are q[:d], one per sequence
+        # On a CPU, in fp32, the reference backend decodes with minicb/cpu_attention.py:
+        # chapter 04's online softmax compiled with Numba, reading the blocks in place
+        # instead of gathering a copy. A student's module always runs as written.
+        self.cpu_decode = kernels.__name__ == "minicb.paged_attention" and cpu_attention.applies_to(k_caches[0])
         # Every layer reads the same blocks, so what the decode kernel needs to
         # find them (chapter 04: the gather table and length mask) is built once, here.
         self.decode_plan = None
-        if d > 0:
+        if d > 0 and not self.cpu_decode:
             self.decode_plan = self.ops.decode_plan(meta.block_tables[:d], meta.context_lens[:d],
                                                     max(meta.host_context_lens[:d]), block_size)
         # Prefill tokens are q[first:], with offsets relative to the first one.
@@ -189,7 +193,10 @@ class PagedAttention:
         q = q[0]  # [N, n_heads, hd]
         d = meta.num_decodes
         parts = []
-        if d > 0:
+        if d > 0 and self.cpu_decode:
+            parts.append(cpu_attention.paged_decode_attention_unchecked(
+                q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d]))
+        elif d > 0:
             parts.append(self.ops.decode(q[:d], k_cache, v_cache, self.decode_plan))
         if meta.num_seqs > d:
             parts.append(self.prefill(q[self.first_prefill_token:], k_cache, v_cache, meta.block_tables[d:],

@@ -7,8 +7,12 @@ Both engines get the same batch of random prompts on the real model. After the
 prefill and a few warm-up steps, they take `--steps` decode steps on the clock
 in turns (continuous, static, continuous, ...), so that load from other
 programs on a shared machine falls on both alike, then a few more each under
-torch.profiler. The script prints the median step time of each and the
-profiler's top operators. The ratio of the two medians is the figure to read.
+torch.profiler. Both take a whole step of the same kind: the engine's
+`step()` (schedule, prepare, forward, sample, postprocess) against a padded
+step that, like chapter 02's `run_batch`, runs the forward, `sample()` and each
+row's stop check. Then the two forwards alone, also in turns. The script prints
+the median of each and the profiler's top operators. The ratios of the medians
+are the figures to read.
 The bench (`python -m minicb bench`) measures whole workloads; this looks
 inside a step.
 """
@@ -22,7 +26,8 @@ import torch
 from torch.profiler import profile
 
 from minicb.engine import Engine, EngineConfig
-from minicb.sampling import SamplingParams
+from minicb.paged_model import PagedAttention
+from minicb.sampling import SamplingParams, finish_reason, make_generator, sample
 from minicb.static_batching import PaddedKVCache, left_pad
 from minicb.weights import load_model
 
@@ -67,31 +72,64 @@ def main() -> None:
     for _ in range(3):
         engine.step()
 
-    # Static: chapter 02's padded cache, driven by hand so only the forward is timed.
+    # Static: chapter 02's padded cache, driven by hand. A step does what a decode
+    # step of run_batch does: the forward, sample() with each row's generator and
+    # params, and each row's stop check (its step traces and counters left out).
     ids, padding_mask, positions = left_pad(prompts, pad_id=0, device=model.device)
-    cache = PaddedKVCache(model, padding_mask, ids.shape[1] + budget)
+    cache = PaddedKVCache(model, padding_mask, ids.shape[1] + 2 * budget)
     model(ids, positions, cache, logits_at=torch.full((args.seqs, 1), ids.shape[1] - 1))
     cache.advance(ids.shape[1])
-    state = {"pos": positions[:, -1:] + 1, "tok": torch.randint(100, 1000, (args.seqs, 1))}
+    generators = [make_generator(params, model.device) for _ in prompts]
+    cfg = model.config
+    state = {"pos": positions[:, -1:] + 1, "tok": torch.randint(100, 1000, (args.seqs, 1)), "n": 0}
+
+    def padded_forward():
+        return model(state["tok"], state["pos"], cache)  # [S, 1, V]
 
     def static_step():
-        logits = model(state["tok"], state["pos"], cache)  # [S, 1, V]
-        state["tok"] = logits[:, -1].argmax(-1, keepdim=True)
+        logits = padded_forward()
+        tokens = sample(logits[:, -1], [params] * args.seqs, generators)
+        state["n"] += 1
+        for row, token in enumerate(tokens):
+            finish_reason(token, state["n"], params, cfg.eos_token_ids, len(prompts[row]) + state["n"],
+                          cfg.max_position_embeddings)
+        state["tok"] = torch.tensor(tokens)[:, None]
         cache.advance(1)
         state["pos"] = state["pos"] + 1
 
     for _ in range(3):
         static_step()
 
+    # The static cache grows by one column per static_step; the forward-only
+    # comparison below reuses the last column, like the paged one reuses its step.
+    def padded_forward_in_place():
+        cache.seq_len -= 1
+        padded_forward()
+        cache.advance(1)
+
     continuous, static = median_seconds_in_turns([engine.step, static_step], args.steps)
+    continuous_ops, static_ops = top_ops(engine.step, 5, args.rows), top_ops(static_step, 5, args.rows)
+
+    # The paged forward alone: the next step's metadata, run again and again. It
+    # rewrites the same K/V slots each time, which changes nothing; the engine is
+    # not stepped after this, so its half-taken step never matters.
+    input_ids, input_positions, meta = engine.prepare(engine.scheduler.schedule())
+
+    def paged_forward():
+        attention = PagedAttention(engine.pool.k_caches, engine.pool.v_caches, meta, engine.kernels)
+        model(input_ids, input_positions, attention, logits_at=meta.last_token_index())
+
+    paged, padded = median_seconds_in_turns([paged_forward, padded_forward_in_place], args.steps)
     print(f"{args.seqs} sequences, context {args.context}-{args.context + 30}, torch threads "
-          f"{torch.get_num_threads()}")
-    print(f"median of {args.steps} steps in turns: continuous step {continuous * 1e3:.0f} ms, "
-          f"static step {static * 1e3:.0f} ms, ratio {continuous / static:.2f}")
-    print("\ncontinuous (engine.step: schedule, paged forward, sample, postprocess)")
-    print(top_ops(engine.step, 5, args.rows))
-    print("static (padded forward and argmax)")
-    print(top_ops(static_step, 5, args.rows))
+          f"{torch.get_num_threads()}; median of {args.steps} runs of each, in turns:")
+    print(f"  whole step   continuous {continuous * 1e3:.0f} ms (engine.step: schedule, prepare, forward, sample, "
+          f"postprocess)\n               static {static * 1e3:.0f} ms (forward, sample, stop checks), "
+          f"ratio {continuous / static:.2f}")
+    print(f"  forward only paged {paged * 1e3:.0f} ms, padded {padded * 1e3:.0f} ms, ratio {paged / padded:.2f}")
+    print("\ncontinuous (engine.step)")
+    print(continuous_ops)
+    print("static (padded forward, sample, stop checks)")
+    print(static_ops)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""Paged decode attention compiled for the CPU: the blocks are read where they lie.
+
+In this file you will learn why chapter 04's PyTorch decode costs more than a
+padded cache on a CPU, and how a compiled loop removes that cost:
+
+- Version 1 of chapter 04 (the gather) first copies every sequence's K/V
+  blocks out of the pool into a dense tensor, then hands the copy to SDPA. So
+  K and V are read, written, and read again: three passes over memory where a
+  contiguous cache needs one. On SmolLM2 at 32 sequences that copy was about
+  10% of a whole decode step (tools/profile_step.py).
+- Version 2 (the online softmax) reads each block once, but from a Python loop
+  over blocks, each iteration a handful of small tensor ops.
+- This file is version 2 written as the loop it really is, compiled to machine
+  code by Numba (`@njit`), and run in parallel over (sequence, KV head) pairs:
+  exactly the grid of chapter 05's Triton decode kernel. Each pair walks its
+  block table token by token, folds each key into a running max, sum and
+  weighted sum of values, and never copies a block.
+
+It is what the engine's "torch" backend runs for decodes on a CPU, in fp32, when
+Numba is installed (it is a dependency of minicb). `MINICB_CPU_DECODE=gather`
+switches back to chapter 04's gather, to compare the two. On a GPU the engine
+never comes here: there chapter 05's Triton kernels do the same walk.
+
+    python -m minicb.cpu_attention     # check against chapter 04, then time both and a padded cache
+
+Shapes (chapter 04's calling convention):
+    q             [num_seqs, n_q_heads, head_dim]                 one new token per sequence
+    k/v_cache     [num_blocks, block_size, n_kv_heads, head_dim]  one layer of the pool
+    block_tables  [num_seqs, max_blocks] int32                    logical block -> physical block id
+    context_lens  [num_seqs] int32                                tokens stored, the new one included
+    out           like q
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+
+from minicb.paged_attention import check_paged_args
+
+
+@functools.cache
+def _compiled_kernel():
+    """The Numba kernel, compiled on first use (a few seconds, then cached on disk); None without Numba."""
+    try:
+        from numba import njit, prange
+    except ImportError:
+        return None
+
+    # fastmath lets the compiler reorder the sums in the dot products, so they run
+    # as SIMD instructions; the result differs from SDPA's only in the last bits.
+    @njit(parallel=True, fastmath=True, cache=True)
+    def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out):
+        num_seqs, n_q_heads, head_dim = q.shape
+        block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = n_q_heads // n_kv_heads  # query heads sharing one KV head (GQA)
+        # One job per (sequence, KV head), spread over the CPU cores: the grid of
+        # chapter 05's Triton kernel, with a loop instead of a program per job.
+        for job in prange(num_seqs * n_kv_heads):
+            seq, kv_head = job // n_kv_heads, job % n_kv_heads
+            queries = q[seq, kv_head * group:(kv_head + 1) * group] * scale  # [G, D]
+            running_max = np.full(group, -np.inf, dtype=np.float32)  # [G]
+            running_sum = np.zeros(group, dtype=np.float32)  # [G]
+            acc = np.zeros((group, head_dim), dtype=np.float32)  # [G, D] sum of exp(score - max) * v
+            for t in range(context_lens[seq]):
+                # Token t lives at offset t % block_size of the block the table names.
+                block = block_tables[seq, t // block_size]
+                key = k_cache[block, t % block_size, kv_head]  # [D], read in place
+                value = v_cache[block, t % block_size, kv_head]  # [D]
+                for g in range(group):
+                    score = np.float32(0.0)
+                    for d in range(head_dim):
+                        score += queries[g, d] * key[d]
+                    # The online softmax of chapter 04, one key at a time: a new
+                    # maximum rescales what was summed so far.
+                    if score > running_max[g]:
+                        rescale = np.exp(running_max[g] - score)
+                        running_sum[g] = running_sum[g] * rescale + 1.0
+                        for d in range(head_dim):
+                            acc[g, d] = acc[g, d] * rescale + value[d]
+                        running_max[g] = score
+                    else:
+                        weight = np.exp(score - running_max[g])
+                        running_sum[g] += weight
+                        for d in range(head_dim):
+                            acc[g, d] += weight * value[d]
+            for g in range(group):
+                for d in range(head_dim):
+                    out[seq, kv_head * group + g, d] = acc[g, d] / running_sum[g]
+
+    return decode_kernel
+
+
+def applies_to(q: torch.Tensor) -> bool:
+    """Whether the engine decodes q with this kernel: fp32 on the CPU, Numba present, not switched off."""
+    if os.environ.get("MINICB_CPU_DECODE", "compiled") == "gather":
+        return False
+    return q.device.type == "cpu" and q.dtype == torch.float32 and _compiled_kernel() is not None
+
+
+def paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, scale=None):
+    """The kernel on arguments already checked. Returns [num_seqs, n_q_heads, head_dim].
+
+    .numpy() shares memory with a CPU tensor: nothing is copied, and on a CPU
+    nothing waits for anything.
+    """
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    _compiled_kernel()(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(), context_lens.numpy(),
+                       np.float32(scale), out.numpy())
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None):
+    """Decode attention over the paged pool, compiled for the CPU. Returns [num_seqs, n_q_heads, head_dim]."""
+    check_paged_args(q, k_cache, v_cache, block_tables, context_lens)
+    if not (q.device.type == "cpu" and q.dtype == torch.float32):
+        raise ValueError(f"the compiled CPU kernel takes float32 tensors on the CPU, got {q.dtype} on {q.device}; "
+                         f"use minicb.paged_attention (any device and dtype) or minicb.triton_attention (CUDA)")
+    if _compiled_kernel() is None:
+        raise RuntimeError("the compiled CPU kernel needs Numba: pip install numba")
+    return paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables.to(torch.int32),
+                                            context_lens.to(torch.int32), scale)
+
+
+# ----------------------------------------------------------------------------
+# Check and benchmark: python -m minicb.cpu_attention
+#
+# One SmolLM2 layer's decode at 32 sequences: the compiled kernel against
+# chapter 04's gather + SDPA (the bytes copied are 2 * S * T * n_kv_heads *
+# head_dim * 4), and against SDPA on a contiguous, padded cache of the same
+# lengths, which is what chapter 02's static batching pays.
+
+if __name__ == "__main__":
+    import time
+
+    from minicb.model import attend
+    from minicb.paged_attention import paged_decode_attention_gather
+
+    def median_ms(fn, runs=30):
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e3 * sorted(times)[runs // 2]
+
+    gen = torch.Generator().manual_seed(0)
+    num_seqs, n_q_heads, n_kv_heads, head_dim, block_size = 32, 9, 3, 64, 16
+    lens = torch.randint(150, 190, (num_seqs,), dtype=torch.int32, generator=gen)
+    blocks_per_seq = [-(-int(n) // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + 8
+    order = torch.randperm(num_blocks, generator=gen)  # scattered blocks, as in a busy pool
+    tables = torch.full((num_seqs, max(blocks_per_seq)), -1, dtype=torch.int32)
+    taken = 0
+    for i, count in enumerate(blocks_per_seq):
+        tables[i, :count] = order[taken:taken + count]
+        taken += count
+    k_cache = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=gen)
+    q = torch.randn(num_seqs, n_q_heads, head_dim, generator=gen)
+
+    start = time.perf_counter()
+    ours = paged_decode_attention(q, k_cache, v_cache, tables, lens)
+    print(f"first call (compile or load from the disk cache): {time.perf_counter() - start:.2f} s")
+    theirs = paged_decode_attention_gather(q, k_cache, v_cache, tables, lens)
+    print(f"max abs difference from chapter 04's gather: {(ours - theirs).abs().max().item():.2e}")
+
+    longest = int(lens.max())
+    keys = torch.randn(num_seqs, longest, n_kv_heads, head_dim, generator=gen)
+    values = torch.randn(num_seqs, longest, n_kv_heads, head_dim, generator=gen)
+    mask = (torch.arange(longest)[None, :] < lens[:, None])[:, None, None, :]
+    compiled = median_ms(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens))
+    gather = median_ms(lambda: paged_decode_attention_gather(q, k_cache, v_cache, tables, lens))
+    padded = median_ms(lambda: attend(q[:, None], keys, values, mask))
+    print(f"one layer, {num_seqs} sequences of {int(lens.min())}-{longest} tokens, torch threads "
+          f"{torch.get_num_threads()} (median of 30):")
+    print(f"  compiled {compiled:.2f} ms, gather + SDPA {gather:.2f} ms ({gather / compiled:.1f}x), "
+          f"padded SDPA {padded:.2f} ms ({padded / compiled:.1f}x)")

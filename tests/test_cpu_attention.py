@@ -1,0 +1,79 @@
+"""The compiled CPU decode kernel against chapter 04's gather, and inside the engine.
+
+minicb/cpu_attention.py is what the engine's torch backend runs for decodes on
+a CPU. Its oracle is chapter 04's version 1 (gather + SDPA) on the same pool:
+lengths of 1, of exactly a block, and ragged; GQA and plain multi-head; blocks
+scattered at random. In the engine, greedy tokens must not depend on which of
+the two decodes ran.
+"""
+import pytest
+import torch
+
+from minicb import LLM, SamplingParams, cpu_attention
+from minicb.model import random_model
+from minicb.paged_attention import paged_decode_attention_gather
+
+pytestmark = pytest.mark.skipif(cpu_attention._compiled_kernel() is None, reason="needs Numba")
+
+
+def scattered_pool(context_lens, n_q_heads, n_kv_heads, head_dim, block_size, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(context_lens), max(blocks) + 1), -1, dtype=torch.int32)  # -1 past the end
+    taken = 0
+    for i, count in enumerate(blocks):
+        tables[i, :count] = order[taken:taken + count]
+        taken += count
+    k_cache = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(context_lens), n_q_heads, head_dim, generator=gen)
+    return q, k_cache, v_cache, tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("context_lens,n_q_heads,n_kv_heads,head_dim,block_size", [
+    ([1, 16, 17, 5, 40], 9, 3, 64, 16),  # SmolLM2's heads; one token, a full block, one past it
+    ([3, 8, 1], 4, 4, 8, 4),  # plain multi-head attention, tiny blocks
+    ([33, 2, 64, 7], 8, 2, 16, 8),  # GQA groups of 4
+])
+def test_matches_chapter04s_gather(context_lens, n_q_heads, n_kv_heads, head_dim, block_size):
+    args = scattered_pool(context_lens, n_q_heads, n_kv_heads, head_dim, block_size)
+    got = cpu_attention.paged_decode_attention(*args)
+    want = paged_decode_attention_gather(*args)
+    diff = (got - want).abs()
+    worst = int(diff.amax(dim=(1, 2)).argmax())
+    assert diff.max() < 1e-5, (f"compiled kernel differs from chapter 04's gather by {diff.max():.2e}, worst at "
+                               f"sequence {worst} (context length {context_lens[worst]})")
+    scaled = cpu_attention.paged_decode_attention(*args, scale=0.5)
+    assert (scaled - paged_decode_attention_gather(*args, scale=0.5)).abs().max() < 1e-5, "a custom scale is ignored"
+
+
+def test_bad_input_is_refused_with_a_reason():
+    q, k_cache, v_cache, tables, lens = scattered_pool([5, 9], 4, 2, 8, 4)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_attention.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens)
+    with pytest.raises(ValueError, match="context_lens"):  # chapter 04's checks run first
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens + 100)
+
+
+def test_the_engine_gives_the_same_tokens_with_either_decode(monkeypatch):
+    model = random_model(seed=9)
+    prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=12)
+    calls = []
+    kernel = cpu_attention.paged_decode_attention_unchecked
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention_unchecked",
+                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    runs = {}
+    for decode in ("compiled", "gather"):
+        monkeypatch.setenv("MINICB_CPU_DECODE", decode)
+        before = len(calls)
+        llm = LLM.from_model(model, max_num_seqs=3, block_size=4, num_blocks=40)
+        runs[decode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        used = len(calls) - before
+        if decode == "compiled":
+            assert used > 0, "on a CPU in fp32 the engine should decode with the compiled kernel; it never did"
+        else:
+            assert used == 0, f"MINICB_CPU_DECODE=gather must switch the kernel off; it ran {used} times"
+    assert runs["compiled"] == runs["gather"], f"tokens differ: {runs}"
