@@ -42,6 +42,7 @@ from minicb import impl
 from minicb.model import Model
 from minicb.paged_attention import KVPool
 from minicb.paged_model import AttentionMetadata, PagedAttention, attention_kernels
+from minicb.prefix_cache import CachingBlockAllocator
 from minicb.sampling import SamplingParams, make_generator, sample
 from minicb.scheduler import Sequence
 from minicb.trace import SlotState, StepTrace
@@ -60,6 +61,10 @@ class EngineConfig:
     # StepTraces to keep in Engine.traces: 0 records none (the default: a long-running
     # server needs none), N keeps the last N steps, None keeps every step.
     keep_traces: int | None = 0
+    # Keep computed full blocks under a key of their prefix and share them with later
+    # requests that start the same way (minicb/prefix_cache.py). Off by default
+    # until chapter 07 explains it; greedy outputs are the same either way.
+    enable_prefix_caching: bool = False
 
 
 @dataclass
@@ -86,7 +91,10 @@ class Engine:
         self.kernels = attention_kernels(ec.attention)
         # The chapter components come through impl.load, so MINICB_IMPL=student
         # runs this very loop on the student's allocator and scheduler.
-        allocator = impl.load("block_allocator").BlockAllocator(num_blocks, ec.block_size)
+        if ec.enable_prefix_caching:
+            allocator = CachingBlockAllocator(num_blocks, ec.block_size)
+        else:
+            allocator = impl.load("block_allocator").BlockAllocator(num_blocks, ec.block_size)
         scheduling = impl.load("scheduler")
         self.Sequence = scheduling.Sequence
         self.scheduler = scheduling.Scheduler(
@@ -158,6 +166,9 @@ class Engine:
             attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
             logits = self.model(input_ids, positions, attention, logits_at=meta.last_token_index())  # [1, S, V]
             tokens = sample(logits[0], [s.params for s in seqs], [s.generator for s in seqs])
+            if self.config.enable_prefix_caching:  # their K/V are computed now: key the full blocks
+                for seq in seqs:
+                    self.allocator.cache_full_blocks(seq.request_id, seq.token_ids)
         finished = self.scheduler.postprocess(out, tokens, time.perf_counter())
         for seq in finished:
             del self.requests[seq.request_id]  # handed out below; the engine keeps nothing
@@ -201,4 +212,6 @@ class Engine:
             num_tokens=num_tokens, num_useful_tokens=num_tokens,  # no padding, no idle rows
             time_s=seconds,
             new_tokens=list(result.new_tokens),
+            cached_free_blocks=(self.allocator.cached_free_blocks() if self.config.enable_prefix_caching else []),
+            shared_blocks=(self.allocator.shared_blocks() if self.config.enable_prefix_caching else []),
         )

@@ -29,6 +29,7 @@ class RequestMetrics:
     first_token_time: float | None  # when the first output token was sampled
     finish_time: float | None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (enable_prefix_caching)
 
     @property
     def ttft(self) -> float | None:
@@ -63,11 +64,13 @@ class LLM:
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str = "float32",
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 32,
                  attention: str = "torch", max_num_batched_tokens: int = 4096,
-                 keep_traces: int | None = None):
+                 keep_traces: int | None = None, enable_prefix_caching: bool = False):
         """model: None for the embedded SmolLM2, a .gguf file, or an HF checkpoint directory.
         device: None for cuda when available, else cpu.
         keep_traces: the StepTraces of each call to keep in `llm.traces` for the pictures:
-        None every step, N the last N, 0 none (for a long-running caller)."""
+        None every step, N the last N, 0 none (for a long-running caller).
+        enable_prefix_caching: share computed prompt blocks between requests that start
+        alike (minicb/prefix_cache.py); metrics.num_cached_tokens says how many."""
         from minicb.tokenizer import load_tokenizer
         from minicb.weights import load_model
 
@@ -80,7 +83,8 @@ class LLM:
                 raise  # the embedded model always has a tokenizer; this is a real error
         self._setup(net, tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs, attention=attention,
-            max_num_batched_tokens=max_num_batched_tokens, keep_traces=keep_traces))
+            max_num_batched_tokens=max_num_batched_tokens, keep_traces=keep_traces,
+            enable_prefix_caching=enable_prefix_caching))
 
     @classmethod
     def from_model(cls, net: Model, tokenizer=None, **engine_config) -> "LLM":
@@ -204,5 +208,5 @@ class LLM:
             text=self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else None,
             finish_reason=seq.finish_reason,
             metrics=RequestMetrics(rel(seq.arrival_time), rel(seq.first_token_time), rel(seq.finish_time),
-                                   seq.num_preemptions),
+                                   seq.num_preemptions, seq.num_cached_tokens),
         )

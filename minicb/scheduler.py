@@ -65,6 +65,7 @@ class Sequence:
     first_token_time: float | None = None  # when its first output token was sampled
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     generator: torch.Generator | None = None  # its own torch.Generator for seeded sampling (None: greedy or unseeded)
 
     @property
@@ -192,20 +193,32 @@ class Scheduler:
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_tokens = seq.num_tokens  # prompt, plus earlier outputs when recomputing
-            if num_tokens > budget and (out.decodes or out.prefills):
+            # With a prefix-caching allocator (minicb/prefix_cache.py), blocks already
+            # cached for this prefix are shared, not computed: only the rest costs
+            # budget and free blocks.
+            caching = hasattr(self.allocator, "allocate_prefix")
+            cached = self.allocator.num_cached_tokens(seq.token_ids) if caching else 0
+            if num_tokens - cached > budget and (out.decodes or out.prefills):
                 break  # too much work for this step; it goes first next step
             reserve = self.watermark_blocks if self.running else 0
-            if self.allocator.blocks_needed(num_tokens) + reserve > self.allocator.num_free_blocks:
+            need = (self.allocator.free_blocks_needed(seq.token_ids) if caching
+                    else self.allocator.blocks_needed(num_tokens))
+            if need + reserve > self.allocator.num_free_blocks:
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.allocator.allocate(seq.request_id, num_tokens)
-            seq.status, seq.num_computed_tokens = RequestStatus.RUNNING, 0
+            if caching:
+                cached = self.allocator.allocate_prefix(seq.request_id, seq.token_ids)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = cached
+            else:
+                self.allocator.allocate(seq.request_id, num_tokens)
+            seq.status, seq.num_computed_tokens = RequestStatus.RUNNING, cached
             seq.slot = self.slots.index(None)
             self.slots[seq.slot] = seq
             self.running.append(seq)
             out.prefills.append(seq)
             out.admitted.append(seq.request_id)
-            budget -= num_tokens
+            budget -= num_tokens - cached
 
     def postprocess(self, out: SchedulerOutput, new_tokens: list[int], now: float) -> list[Sequence]:
         """Append each scheduled sequence's sampled token; evict the finished. Returns them."""

@@ -45,6 +45,8 @@ class StepTrace:
     num_useful_tokens: int = 0  # tokens that belong to a live request (no padding, no finished rows)
     time_s: float = 0.0  # wall-clock seconds the step took
     new_tokens: list[tuple[int, int]] = field(default_factory=list)  # (request_id, token id) sampled this step
+    cached_free_blocks: list[int] = field(default_factory=list)  # prefix caching: free, but K/V kept for reuse
+    shared_blocks: list[int] = field(default_factory=list)  # prefix caching: held by more than one request
 
     def to_dict(self) -> dict:
         return asdict(self)

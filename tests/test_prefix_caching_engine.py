@@ -1,0 +1,111 @@
+"""Prefix caching in the engine: the same tokens with it on and off, and fewer tokens computed.
+
+`EngineConfig(enable_prefix_caching=True)` gives the engine chapter 07's
+caching block pool (minicb/prefix_cache.py): a request that starts like an
+earlier one shares that one's computed blocks and prefills only the rest. The
+oracle is the engine with caching off, which chapter 06 holds to chapter 01:
+greedy outputs must be identical, token for token, through shared system
+prompts, a full-prefix hit, a multi-turn conversation and preemption.
+"""
+import random
+
+import pytest
+
+from minicb import LLM, SamplingParams
+from minicb.model import random_model
+from minicb.naive import first_difference
+
+SYSTEM = [(13 * i) % 200 + 3 for i in range(45)]  # a 45-token "system prompt" every request starts with
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(seed=11)
+
+
+def run(model, prompts, caching, **engine):
+    llm = LLM.from_model(model, enable_prefix_caching=caching, **{"block_size": 4, "max_num_seqs": 4, **engine})
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10), use_tqdm=False)
+    computed = sum(slot.num_tokens for t in llm.traces for slot in t.slots if slot.phase == "prefill")
+    return outs, computed, llm
+
+
+def assert_same_tokens(with_cache, without, what):
+    for i, (a, b) in enumerate(zip(with_cache, without)):
+        assert a.token_ids == b.token_ids, f"{what}, request {i}: {first_difference(a.token_ids, b.token_ids, ('caching on', 'caching off'))}"
+
+
+def test_a_shared_system_prompt_is_computed_once(tiny):
+    rng = random.Random(0)
+    prompts = [SYSTEM + [rng.randrange(3, 250) for _ in range(rng.randint(1, 9))] for _ in range(12)]
+    on, computed_on, llm = run(tiny, prompts, True, num_blocks=80)
+    off, computed_off, _ = run(tiny, prompts, False, num_blocks=80)
+    assert_same_tokens(on, off, "shared system prompt")
+    # The first 4 requests are admitted together, before anything is cached; the other
+    # 8 find the system prompt's 11 full blocks (44 tokens) in the cache.
+    hits = [o.metrics.num_cached_tokens for o in on]
+    assert hits[:4] == [0] * 4 and all(h == 44 for h in hits[4:]), f"cached prompt tokens per request: {hits}"
+    assert computed_on == computed_off - 8 * 44, (f"prefill tokens computed: {computed_on} with caching, "
+                                                  f"{computed_off} without; want 8 x 44 fewer")
+    assert llm.traces[-1].cached_free_blocks, "after the run the finished requests' blocks stay cached"
+
+
+def test_the_same_prompt_twice_is_a_full_hit_that_still_computes_the_last_token(tiny):
+    prompt = SYSTEM[:40]  # exactly 10 blocks of 4
+    llm = LLM.from_model(tiny, enable_prefix_caching=True, block_size=4, num_blocks=40)
+    first = llm.generate([prompt], SamplingParams(max_tokens=6), use_tqdm=False)[0]
+    second = llm.generate([prompt], SamplingParams(max_tokens=6), use_tqdm=False)[0]
+    assert second.token_ids == first.token_ids, first_difference(second.token_ids, first.token_ids)
+    # 40 tokens, all in cached blocks, but the last token's logits are needed: the
+    # last block is recomputed, so 9 blocks (36 tokens) come from the cache.
+    assert second.metrics.num_cached_tokens == 36, f"want 36 cached tokens, got {second.metrics.num_cached_tokens}"
+    prefill = [s.num_tokens for t in llm.traces for s in t.slots if s.phase == "prefill"]
+    assert prefill == [4], f"the second request should prefill only its last block (4 tokens), got {prefill}"
+
+
+def test_a_three_turn_conversation_reuses_the_earlier_turns(tiny):
+    llm_on = LLM.from_model(tiny, enable_prefix_caching=True, block_size=4, num_blocks=80)
+    llm_off = LLM.from_model(tiny, enable_prefix_caching=False, block_size=4, num_blocks=80)
+    history, cached = list(SYSTEM), []
+    for turn in range(3):
+        history += [50 + turn, 60 + turn, 70 + turn]  # the user's next message
+        on = llm_on.generate([history], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+        off = llm_off.generate([history], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+        assert on.token_ids == off.token_ids, f"turn {turn}: {first_difference(on.token_ids, off.token_ids)}"
+        cached.append(on.metrics.num_cached_tokens)
+        history += on.token_ids  # the answer is part of the next turn's prompt
+    assert cached[0] == 0 and cached[1] > len(SYSTEM) and cached[2] > cached[1], (
+        f"each turn should find the earlier turns cached: cached prompt tokens per turn {cached}")
+
+
+def test_preemption_with_caching_gives_the_same_tokens(tiny):
+    rng = random.Random(1)
+    prompts = [SYSTEM[:rng.randint(5, 30)] + [rng.randrange(3, 250) for _ in range(rng.randint(1, 12))]
+               for _ in range(16)]
+    # 22 blocks of 4 for 4 slots of up to ~52 tokens: requests keep being preempted,
+    # and come back to find part of what they had computed still cached.
+    on, _, llm = run(tiny, prompts, True, num_blocks=22)
+    off, _, _ = run(tiny, prompts, False, num_blocks=22)
+    assert_same_tokens(on, off, "preemption")
+    preemptions = sum(len(t.preempted) for t in llm.traces)
+    assert preemptions > 0, "the pool was sized to force preemption, but none happened"
+    assert llm.engine.allocator.num_free_blocks == 22, "every block must be free (or evictable) at the end"
+
+
+@pytest.mark.slow
+def test_smollm2_chat_with_a_shared_system_prompt_is_unchanged_by_caching(smollm2):
+    model, tokenizer, _ = smollm2
+    from minicb.data import load_chat_prompts
+
+    system = ("You are a careful assistant for a physics class. Answer in one or two sentences, "
+              "state units, and say so when a question has no single answer.")
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": q}]) for q in load_chat_prompts(12)]
+    params = SamplingParams(max_tokens=16)
+    runs = {}
+    for caching in (False, True):
+        llm = LLM.from_model(model, tokenizer, enable_prefix_caching=caching, max_num_seqs=4, block_size=16)
+        runs[caching] = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_tokens(runs[True], runs[False], "SmolLM2 with a system prompt")
+    hits = [o.metrics.num_cached_tokens for o in runs[True]]
+    assert sum(h > 0 for h in hits) >= 8, f"later requests should hit the system prompt's blocks: {hits}"
