@@ -245,7 +245,8 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
         # tiny model has no tokenizer, so the prompts are random token ids with EOS ignored.
         code = cli.main(["--model", str(tmp_path / "tiny"), "--device", device, "--workload", "poisson",
                            "--num-prompts", "3", "--max-tokens", "5", "--slots", "2", "--hf-batch", "2",
-                           "--rate", "50", "--threads", "1", "--out", str(out)])
+                           "--rate", "50", "--threads", "1", "--out", str(out),
+                           "--engines", ",".join(runners.ENGINES)])
     finally:
         torch.set_num_threads(threads)
     assert code == 0
@@ -256,9 +257,32 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
         assert rows[engine]["requests"] == 3 and rows[engine]["output_tok_s"] > 0
     # Same weights, same greedy decoding, same ignore_eos: minicb's engines agree exactly.
     assert rows["minicb-naive"]["same_as_continuous"] == rows["minicb-static"]["same_as_continuous"] == 3
+    assert rows["minicb-prefix-cache"]["same_as_continuous"] == 3, "prefix caching must not change greedy tokens"
+    # Random prompts share no prefix: the paged engines compute every prompt token, the
+    # cache serves none, and engines that cannot see inside say n/a.
+    assert rows["minicb-continuous"]["cache_hit_pct"] == rows["minicb-prefix-cache"]["cache_hit_pct"] == 0
+    assert rows["minicb-continuous"]["prefill_tokens"] >= sum(len(r) for r in [[0] * 8] * 3)
+    assert rows["hf-generate"]["prefill_tokens"] is None and rows["hf-generate"]["cache_hit_pct"] is None
     assert rows["minicb-naive"]["busy_slots"] == 1.0 and rows["hf-generate-batch"]["busy_slots"] is None
     for engine in ("minicb-static", "minicb-continuous", "hf-generate"):
         assert 0 < rows[engine]["busy_slots"] <= 1, (engine, rows[engine]["busy_slots"])
     assert report["meta"]["threads"] == 1
     assert "| minicb-continuous |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_shared_prefix_requests_share_the_system_prompt_and_resend_turns():
+    from minicb.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    requests = workloads.shared_prefix_requests(tokenizer, 6, max_tokens=8)
+    prompts = [r.prompt_ids for r in requests]
+    shared = next(n for n in range(min(map(len, prompts)) + 1)
+                  if n == min(map(len, prompts)) or len({p[n] for p in prompts}) > 1)
+    assert shared >= len(tokenizer.encode(workloads.SYSTEM_PROMPT)), (
+        f"the requests share only their first {shared} tokens; the system prompt alone is "
+        f"{len(tokenizer.encode(workloads.SYSTEM_PROMPT))}")
+    answer = tokenizer.encode(workloads.EARLIER_ANSWER)
+    resent = [i for i, r in enumerate(requests)
+              if any(r.prompt_ids[j:j + len(answer)] == answer for j in range(len(r.prompt_ids)))]
+    assert resent == [2, 5], f"every third request should resend an earlier turn; these do: {resent}"

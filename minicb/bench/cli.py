@@ -22,7 +22,7 @@ import sys
 import torch
 
 from minicb.bench.report import machine_info, markdown_table, write_report
-from minicb.bench.runners import (ENGINES, check_minicb_agrees, hf_batch_runner, kv_blocks_for,
+from minicb.bench.runners import (DEFAULT_ENGINES, ENGINES, check_minicb_agrees, hf_batch_runner, kv_blocks_for,
                                   minicb_batch_runner, run_hf_continuous, run_minicb_continuous,
                                   run_workload, serve_in_batches)
 from minicb.bench.workloads import WORKLOADS, Request, build_requests
@@ -36,7 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                              "on the same weights.")
     add_model_args(ap)
     ap.add_argument("--workload", default="chat", choices=[*WORKLOADS, "all"])
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                    help="comma-separated subset of " + ", ".join(ENGINES) + " (default: all but minicb-prefix-cache)")
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=256, help="new tokens at most per request")
     ap.add_argument("--slots", type=int, default=32, help="minicb static batch size and continuous max_num_seqs")
@@ -113,12 +114,20 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks = kv_blocks_for(requests, args.slots, args.block_size)
         llm = LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
                              block_size=args.block_size, num_blocks=num_blocks)
+
+        def cached_llm():
+            # The same engine with prefix caching, new for every run: a cache the warm-up
+            # filled would serve the timed run prompts it never computed.
+            return LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
+                                  block_size=args.block_size, num_blocks=num_blocks, enable_prefix_caching=True)
+
         engines = {
             "minicb-naive": lambda reqs, arr, progress: serve_in_batches(
                 minicb_batch_runner(model, static=False), reqs, arr, 1, "minicb-naive", progress),
             "minicb-static": lambda reqs, arr, progress: serve_in_batches(
                 minicb_batch_runner(model, static=True), reqs, arr, args.slots, "minicb-static", progress),
             "minicb-continuous": lambda reqs, arr, progress: run_minicb_continuous(llm, reqs, arr, progress),
+            "minicb-prefix-cache": lambda reqs, arr, progress: run_minicb_continuous(cached_llm(), reqs, arr, progress),
             "hf-generate": lambda reqs, arr, progress: serve_in_batches(
                 hf_batch_runner(hf("hf-generate"), eos_id), reqs, arr, args.hf_batch, "hf-generate", progress),
             "hf-generate-batch": lambda reqs, arr, progress: run_hf_continuous(

@@ -18,6 +18,8 @@ The engines:
     minicb-naive       chapter 01: one prompt at a time, contiguous KV cache
     minicb-static      chapter 02: padded batches of --slots that run until their longest row ends
     minicb-continuous  chapter 06: paged KV, --slots rows refilled every step
+    minicb-prefix-cache  the same, with prefix caching on (minicb/prefix_cache.py); not in the
+                       default set: name it, e.g. for --workload shared-prefix
     hf-generate        transformers `generate()` on left-padded batches of --hf-batch
     hf-generate-batch  transformers' own continuous batching (the manager behind `generate_batch`)
 
@@ -45,7 +47,9 @@ from minicb.naive import first_difference, generate_with_cache
 from minicb.static_batching import run_static
 from minicb.viz import summarize
 
-ENGINES = ("minicb-naive", "minicb-static", "minicb-continuous", "hf-generate", "hf-generate-batch")
+ENGINES = ("minicb-naive", "minicb-static", "minicb-continuous", "minicb-prefix-cache", "hf-generate",
+           "hf-generate-batch")
+DEFAULT_ENGINES = tuple(e for e in ENGINES if e != "minicb-prefix-cache")
 
 
 # ----------------------------------------------------------------------------
@@ -85,6 +89,8 @@ class EngineResult:
     utilisation: float | None = None  # useful / computed tokens; None where we cannot see inside
     kv_waste_pct: float | None = None  # reserved KV slots holding no token
     busy_slots: float | None = None  # slot-steps holding a live request / all slot-steps
+    prefill_tokens: int | None = None  # prompt tokens the forwards computed (minicb's paged engines)
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache instead
 
 
 def serve_in_batches(run_batch, requests: list[Request], arrivals: list[float] | None,
@@ -211,8 +217,10 @@ def run_minicb_continuous(llm, requests: list[Request], arrivals: list[float] | 
     # left idle: slots stand empty once the queue runs dry.
     reserved, used = paged_kv_at_peak(llm.traces, llm.engine.config.block_size)
     summary = summarize(llm.traces)
+    prefill = sum(slot.num_tokens for t in llm.traces for slot in t.slots if slot.phase == "prefill")
     return EngineResult([o.token_ids for o in outs], timings, summary["utilisation"], waste_pct(reserved, used),
-                        1 - summary["idle_slot_steps"] / summary["slot_steps"])
+                        1 - summary["idle_slot_steps"] / summary["slot_steps"], prefill,
+                        sum(o.metrics.num_cached_tokens for o in outs))
 
 
 def run_hf_continuous(hf_model, requests: list[Request], arrivals: list[float] | None, eos_id: int,
@@ -290,8 +298,12 @@ def run_workload(engines: dict, requests: list[Request], arrivals: list[float] |
             print(f"{name} failed: {rows[name]['error']}", file=sys.stderr)
             continue
         tokens[name] = result.token_ids
+        prompt_tokens = sum(len(r.prompt_ids) for r in requests)
         rows[name] = {**summarize_timings(result.timings), "utilisation": result.utilisation,
-                      "busy_slots": result.busy_slots, "kv_waste_pct": result.kv_waste_pct}
+                      "busy_slots": result.busy_slots, "kv_waste_pct": result.kv_waste_pct,
+                      "prefill_tokens": result.prefill_tokens,
+                      "cache_hit_pct": (None if result.cached_tokens is None
+                                        else 100 * result.cached_tokens / prompt_tokens)}
     # Ratios from this one run, so that machine noise affects numerator and denominator alike.
     for baseline in ("hf-generate", "minicb-static"):
         base = rows.get(baseline, {}).get("output_tok_s")

@@ -8,11 +8,16 @@ is prompt token ids, its own output budget, and whether EOS ends it:
     poisson  the chat prompts (random ones if the model has no tokenizer), arriving
              at --rate requests/s, as a Poisson process: independent users, so the gaps
              between arrivals are exponential and sometimes several come at once.
+    shared-prefix  chat questions behind one long system prompt, and every third
+             request a conversation that resends an earlier turn, arriving as the
+             poisson workload's do: the traffic prefix caching is for (compare
+             minicb-continuous with minicb-prefix-cache).
 
 Each is seeded (--seed), so every engine sees exactly the same requests.
 
     python -m minicb bench --workload random --num-prompts 32 --max-tokens 128
     python -m minicb bench --workload poisson --rate 0.5
+    python -m minicb bench --workload shared-prefix --engines minicb-continuous,minicb-prefix-cache
 """
 from __future__ import annotations
 
@@ -22,7 +27,21 @@ from dataclasses import dataclass
 
 from minicb.sampling import SamplingParams
 
-WORKLOADS = ("chat", "random", "poisson")
+WORKLOADS = ("chat", "random", "poisson", "shared-prefix")
+
+# The shared-prefix workload's system prompt: long, as deployed assistants' are.
+SYSTEM_PROMPT = (
+    "You are the help desk assistant of a small public library. Answer the visitor's question in two or "
+    "three short sentences, in plain words, without lists or headings. If the question is about opening "
+    "hours, fines, renewals or membership, say that the details can change and that the front desk has "
+    "the current rules. If the question is about a book, say whether it is fiction or non-fiction when "
+    "you know, and never invent titles, authors or page numbers. If you do not know the answer, say so "
+    "and suggest asking a librarian. Be friendly, be brief, and do not repeat the question back. Do not "
+    "give medical, legal or financial advice; suggest a professional instead. Visitors of every age ask "
+    "questions here, so keep every answer suitable for children.")
+# What the assistant "said" in the first turn of a resent conversation: fixed text, so
+# every engine sees the same prompts whatever it answered.
+EARLIER_ANSWER = "Here is a short answer to that. Let me know if you would like more detail."
 
 
 @dataclass
@@ -39,6 +58,23 @@ def chat_requests(tokenizer, num_prompts: int, max_tokens: int) -> list[Request]
     from minicb.data import load_chat_prompts
     return [Request(tokenizer.apply_chat_template([{"role": "user", "content": text}]), max_tokens)
             for text in load_chat_prompts(num_prompts)]
+
+
+def shared_prefix_requests(tokenizer, num_prompts: int, max_tokens: int) -> list[Request]:
+    """Chat questions behind SYSTEM_PROMPT; every third request is a second turn that
+    resends the conversation of the request before it (its question, an answer, a new question)."""
+    from minicb.data import load_chat_prompts
+
+    questions = load_chat_prompts(num_prompts + 1)
+    system = {"role": "system", "content": SYSTEM_PROMPT}
+    requests = []
+    for i in range(num_prompts):
+        turn = [{"role": "user", "content": questions[i]}]
+        if i % 3 == 2:  # a returning user: the previous request's turn, then a follow-up
+            turn = [{"role": "user", "content": questions[i - 1]},
+                    {"role": "assistant", "content": EARLIER_ANSWER}, *turn]
+        requests.append(Request(tokenizer.apply_chat_template([system, *turn]), max_tokens))
+    return requests
 
 
 def random_requests(vocab_size: int, num_prompts: int, max_tokens: int, max_prompt_len: int,
@@ -72,10 +108,19 @@ def build_requests(workload: str, args, tokenizer, vocab_size: int) -> tuple[lis
         requests = random_requests(vocab_size, args.num_prompts, args.max_tokens, args.random_max_prompt, args.seed)
         description = (f"{len(requests)} random prompts of 8-{args.random_max_prompt} tokens, lognormal output "
                        f"lengths capped at {args.max_tokens}, EOS ignored")
+    elif workload == "shared-prefix":
+        requests = shared_prefix_requests(tokenizer, args.num_prompts, args.max_tokens)
+        first, second = requests[0].prompt_ids, requests[min(1, len(requests) - 1)].prompt_ids
+        shared = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
+        description = (f"{len(requests)} chat prompts sharing their first {shared} tokens (the system prompt), every third a "
+                       f"resent conversation; greedy, EOS or {args.max_tokens} tokens")
     else:
         requests = chat_requests(tokenizer, args.num_prompts, args.max_tokens)
         description = f"{len(requests)} chat prompts, greedy, EOS or {args.max_tokens} tokens"
-    if workload != "poisson":
+    if workload not in ("poisson", "shared-prefix"):
         return requests, None, description
+    # Shared-prefix traffic arrives over time too: a request can only hit what an
+    # earlier one has finished computing, and requests admitted in the same step
+    # all compute the shared prefix themselves.
     return (requests, poisson_arrivals(len(requests), args.rate, args.seed),
             description + f", Poisson arrivals at {args.rate:g} req/s")
