@@ -190,13 +190,13 @@ class Scheduler:
         # Not in a step that just preempted: the pool is short, and the preempted
         # requests are at the front of the queue anyway.
         budget = self.max_num_batched_tokens - len(out.decodes)
+        # With a prefix-caching allocator (minicb/prefix_cache.py), blocks already
+        # cached for a request's prefix are shared, not computed: only the rest costs
+        # budget and free blocks. (Chapter 07; chapter 06 needs none of it.)
+        caching = hasattr(self.allocator, "allocate_prefix")
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_tokens = seq.num_tokens  # prompt, plus earlier outputs when recomputing
-            # With a prefix-caching allocator (minicb/prefix_cache.py), blocks already
-            # cached for this prefix are shared, not computed: only the rest costs
-            # budget and free blocks.
-            caching = hasattr(self.allocator, "allocate_prefix")
             cached = self.allocator.num_cached_tokens(seq.token_ids) if caching else 0
             if num_tokens - cached > budget and (out.decodes or out.prefills):
                 break  # too much work for this step; it goes first next step
