@@ -72,6 +72,7 @@ class StepOutput:
     """What one step did to requests. The engine keeps none of it."""
 
     new_tokens: list[tuple[int, int]] = field(default_factory=list)  # (request_id, token), batch order
+    forked: list[tuple[int, int]] = field(default_factory=list)  # (parent_id, child_id): n > 1 completions born
     finished: list[Sequence] = field(default_factory=list)  # ended this step; the engine has let go of them
     trace: StepTrace | None = None  # the step's picture, when keep_traces asks for one
 
@@ -169,15 +170,49 @@ class Engine:
             if self.config.enable_prefix_caching:  # their K/V are computed now: key the full blocks
                 for seq in seqs:
                     self.allocator.cache_full_blocks(seq.request_id, seq.token_ids)
+            forked = self._fork_completions(seqs, logits[0], out, tokens)
+        else:
+            forked = []
         finished = self.scheduler.postprocess(out, tokens, time.perf_counter())
         for seq in finished:
             del self.requests[seq.request_id]  # handed out below; the engine keeps nothing
         self.num_steps += 1
-        result = StepOutput(new_tokens=[(s.request_id, t) for s, t in zip(seqs, tokens)], finished=finished)
+        result = StepOutput(new_tokens=[(s.request_id, t) for s, t in zip(out.sequences, tokens)],
+                            finished=finished, forked=forked)
         if self.traces.maxlen != 0:
             result.trace = self._trace(out, work, result, time.perf_counter() - t0)
             self.traces.append(result.trace)
         return result
+
+    def _fork_completions(self, seqs, logits, out, tokens) -> list[tuple[int, int]]:
+        """Parallel sampling: a request with n > 1 that just computed its prompt becomes n completions.
+
+        Its other n - 1 first tokens are sampled from the same logits row, each with
+        its own generator, and each child shares all the parent's blocks
+        (allocator.fork): the prompt is computed once. The shared last block is
+        copied when a child first writes into it (chapter 03's copy-on-write; the
+        copies reach the pool through out.block_copies). The children join this
+        step's prefills, so postprocess() appends their tokens like anyone's.
+        logits [S, V] rows in seqs order; tokens is extended in place.
+        """
+        forked = []
+        for row, parent in enumerate(seqs):
+            if parent.forked or parent.params.n == 1:
+                continue
+            parent.forked = True
+            for completion in range(1, parent.params.n):
+                rid = next(self._ids)
+                child = self.Sequence(rid, list(parent.prompt_token_ids), parent.params,
+                                      arrival_time=parent.arrival_time, parent_id=parent.request_id)
+                child.generator = make_generator(parent.params, self.model.device, completion)
+                child.num_cached_tokens = parent.num_cached_tokens
+                self.allocator.fork(parent.request_id, rid)
+                self.scheduler.adopt(child)
+                self.requests[rid] = child
+                out.prefills.append(child)
+                tokens.append(sample(logits[row:row + 1], [parent.params], [child.generator])[0])
+                forked.append((parent.request_id, rid))
+        return forked
 
     def prepare(self, out) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Pack the scheduled sequences into one batch: input_ids, positions [1, N] and metadata."""

@@ -13,7 +13,7 @@ a ValueError naming what was wrong, and the same `LLM` keeps serving.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from minicb.engine import Engine, EngineConfig
@@ -42,20 +42,32 @@ class RequestMetrics:
 
 
 @dataclass
-class RequestOutput:
-    index: int  # position in the list given to generate()
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One of a request's n completions (SamplingParams.n)."""
+
+    index: int  # 0 .. n-1
     token_ids: list[int]  # generated tokens, with the EOS/stop token that ended them
     text: str | None  # decoded (special tokens skipped); None without a tokenizer
     finish_reason: str  # "stop" | "length" | "abort"
-    metrics: RequestMetrics
+
+
+@dataclass
+class RequestOutput:
+    index: int  # position in the list given to generate()
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens, with the EOS/stop token that ended them (completion 0's)
+    text: str | None  # decoded (special tokens skipped); None without a tokenizer
+    finish_reason: str  # "stop" | "length" | "abort"
+    metrics: RequestMetrics  # completion 0's times; first_token_time is the request's first token
+    outputs: list[CompletionOutput] = field(default_factory=list)  # all n completions (one when n = 1)
 
 
 @dataclass
 class StreamEvent:
     index: int  # which prompt
     token_id: int
-    output: RequestOutput | None = None  # set on the request's last token
+    output: RequestOutput | None = None  # set on the request's last token (its last completion's)
+    completion: int = 0  # which of the request's n completions the token belongs to
 
 
 class LLM:
@@ -148,11 +160,14 @@ class LLM:
 
     def _events(self, prompts, params, arrival_times) -> Iterator[StreamEvent]:
         # Everything here comes from what engine.step() returns: the new tokens,
-        # and the finished requests, which the engine hands over and forgets.
+        # the completions forked (n > 1), and the finished requests, which the
+        # engine hands over and forgets.
         arrivals = sorted(range(len(prompts)), key=lambda i: arrival_times[i] if arrival_times else 0.0)
         start = time.perf_counter()
-        index_of: dict[int, int] = {}  # request id -> prompt index, for this call's requests
-        live: set[int] = set()  # this call's requests still waiting or running
+        index_of: dict[int, int] = {}  # request id (a completion's too) -> prompt index
+        completion_of: dict[int, int] = {}  # request id -> which of its prompt's n completions
+        done: dict[int, dict[int, Sequence]] = {}  # prompt index -> completion -> finished Sequence
+        live: set[int] = set()  # this call's completions still waiting or running
         self.engine.traces.clear()
         pending = list(arrivals)
         try:
@@ -162,17 +177,28 @@ class LLM:
                     i = pending.pop(0)
                     arrive = start + (arrival_times[i] if arrival_times else 0.0)
                     rid = self.engine.add_request(prompts[i], params[i], arrival_time=arrive)
-                    index_of[rid] = i
+                    index_of[rid], completion_of[rid], done[i] = i, 0, {}
                     live.add(rid)
                 if not self.engine.has_unfinished():
                     time.sleep(max(0.0, arrival_times[pending[0]] - now))  # idle until the next arrival
                     continue
                 step = self.engine.step()
-                done = {seq.request_id: seq for seq in step.finished}
-                live -= done.keys()
-                for rid, token in step.new_tokens:
-                    output = self._output(done[rid], index_of[rid], start) if rid in done else None
-                    yield StreamEvent(index_of[rid], token, output)
+                for parent, child in step.forked:  # each parent's children in completion order
+                    siblings = [c for p, c in step.forked if p == parent]
+                    index_of[child], completion_of[child] = index_of[parent], 1 + siblings.index(child)
+                    live.add(child)
+                finished = {seq.request_id: seq for seq in step.finished}
+                live -= finished.keys()
+                for rid, seq in finished.items():
+                    done[index_of[rid]][completion_of[rid]] = seq
+                # A request's output goes with the last token of its last completion to finish
+                # (several of its completions can finish in the same step).
+                last_token_of = {index_of[rid]: k for k, (rid, _) in enumerate(step.new_tokens)}
+                for k, (rid, token) in enumerate(step.new_tokens):
+                    i = index_of[rid]
+                    last = len(done[i]) == params[i].n and last_token_of[i] == k
+                    output = self._output(done[i], i, start) if last else None
+                    yield StreamEvent(i, token, output, completion_of[rid])
         finally:
             for rid in live:  # a caller that stops early leaves nothing running
                 self.engine.abort(rid)
@@ -200,13 +226,17 @@ class LLM:
             conversations = [conversations]  # a single conversation
         return self.generate([self.tokenizer.apply_chat_template(c) for c in conversations], params, **kwargs)
 
-    def _output(self, seq: Sequence, index: int, start: float) -> RequestOutput:
-        """A finished request's output, with times relative to `start`."""
+    def _output(self, completions: dict[int, Sequence], index: int, start: float) -> RequestOutput:
+        """A finished request's output from its completions' Sequences, with times relative to `start`."""
         rel = (lambda t: None if t is None else t - start)
+        decode = (lambda ids: self.tokenizer.decode(ids) if self.tokenizer else None)
+        outputs = [CompletionOutput(c, list(seq.output_token_ids), decode(seq.output_token_ids), seq.finish_reason)
+                   for c, seq in sorted(completions.items())]
+        first = completions[0]
         return RequestOutput(
-            index=index, prompt_token_ids=list(seq.prompt_token_ids), token_ids=list(seq.output_token_ids),
-            text=self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else None,
-            finish_reason=seq.finish_reason,
-            metrics=RequestMetrics(rel(seq.arrival_time), rel(seq.first_token_time), rel(seq.finish_time),
-                                   seq.num_preemptions, seq.num_cached_tokens),
+            index=index, prompt_token_ids=list(first.prompt_token_ids), token_ids=outputs[0].token_ids,
+            text=outputs[0].text, finish_reason=outputs[0].finish_reason,
+            metrics=RequestMetrics(rel(first.arrival_time), rel(first.first_token_time), rel(first.finish_time),
+                                   first.num_preemptions, first.num_cached_tokens),
+            outputs=outputs,
         )

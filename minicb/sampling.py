@@ -25,6 +25,7 @@ class SamplingParams:
     seed: int | None = None  # per request: the same seed gives the same text whatever shares the batch
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past EOS (benchmarks use this for fixed lengths)
+    n: int = 1  # completions of the same prompt (parallel sampling): the prompt is computed once
 
     def __post_init__(self):
         self.validate()
@@ -38,18 +39,25 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r}; it must be an integer >= 0 (0 means no limit)")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r}; it must be in (0, 1]")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n={self.n!r}; it must be an integer >= 1 (completions per prompt)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """A private random stream for one request (None for greedy or unseeded)."""
+def make_generator(params: SamplingParams, device: torch.device | str, completion: int = 0) -> torch.Generator | None:
+    """A private random stream for one request (None for greedy or unseeded).
+
+    With n > 1 each completion gets its own stream, derived from the seed and its
+    number, so the same seed gives the same n texts whatever else runs. Completion
+    0 uses the seed itself, as a request with n = 1 does.
+    """
     if params.greedy or params.seed is None:
         return None
     g = torch.Generator(device=device)
-    g.manual_seed(params.seed)
+    g.manual_seed(params.seed if completion == 0 else (params.seed * 1_000_003 + completion) % 2**63)
     return g
 
 

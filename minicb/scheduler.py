@@ -66,6 +66,8 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    parent_id: int | None = None  # parallel sampling: the request this completion belongs to (None: itself)
+    forked: bool = False  # parallel sampling: its n - 1 sibling completions exist (or n = 1)
     generator: torch.Generator | None = None  # its own torch.Generator for seeded sampling (None: greedy or unseeded)
 
     @property
@@ -130,6 +132,9 @@ class Scheduler:
         prompt_len = len(prompt_token_ids)
         if prompt_len == 0:
             raise RequestRejected("the prompt is empty; give at least one token")
+        if params.n > self.max_num_seqs:
+            raise RequestRejected(f"n={params.n} completions need {params.n} slots at once, but the engine has "
+                                  f"max_num_seqs={self.max_num_seqs}; lower n or raise max_num_seqs")
         if prompt_len >= self.max_model_len:
             raise RequestRejected(f"the prompt has {prompt_len} tokens but the model's context is "
                                   f"{self.max_model_len}; it must be shorter so one token can be generated")
@@ -194,8 +199,12 @@ class Scheduler:
         # cached for a request's prefix are shared, not computed: only the rest costs
         # budget and free blocks. (Chapter 07; chapter 06 needs none of it.)
         caching = hasattr(self.allocator, "allocate_prefix")
+        promised = 0  # slots for the siblings of this step's n > 1 requests, which fork at its end
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            siblings = 0 if seq.forked else seq.params.n - 1
+            if len(self.running) + promised + 1 + siblings > self.max_num_seqs:
+                break  # parallel sampling: all n completions need a slot together
             num_tokens = seq.num_tokens  # prompt, plus earlier outputs when recomputing
             cached = self.allocator.num_cached_tokens(seq.token_ids) if caching else 0
             if num_tokens - cached > budget and (out.decodes or out.prefills):
@@ -219,6 +228,7 @@ class Scheduler:
             out.prefills.append(seq)
             out.admitted.append(seq.request_id)
             budget -= num_tokens - cached
+            promised += siblings
 
     def postprocess(self, out: SchedulerOutput, new_tokens: list[int], now: float) -> list[Sequence]:
         """Append each scheduled sequence's sampled token; evict the finished. Returns them."""
@@ -237,6 +247,16 @@ class Scheduler:
         return finished
 
     # ---- moving sequences between the queues --------------------------------------
+
+    def adopt(self, child: Sequence) -> None:
+        """Put a forked completion (parallel sampling) into a free slot, running.
+
+        Its blocks come from allocator.fork(); admit() kept the slot free for it.
+        """
+        child.status, child.forked = RequestStatus.RUNNING, True
+        child.slot = self.slots.index(None)
+        self.slots[child.slot] = child
+        self.running.append(child)
 
     # The exercise's methods call preempt() and finish(); _release() is theirs alone.
 
