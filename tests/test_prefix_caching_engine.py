@@ -109,3 +109,26 @@ def test_smollm2_chat_with_a_shared_system_prompt_is_unchanged_by_caching(smollm
     assert_same_tokens(runs[True], runs[False], "SmolLM2 with a system prompt")
     hits = [o.metrics.num_cached_tokens for o in runs[True]]
     assert sum(h > 0 for h in hits) >= 8, f"later requests should hit the system prompt's blocks: {hits}"
+
+
+@pytest.mark.slow
+def test_smollm2_tight_pool_with_n_4_equals_greedy_with_and_without_caching(smollm2):
+    model, tokenizer, _ = smollm2
+    from minicb.data import load_chat_prompts
+
+    system = "You answer in one short sentence."
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": q}]) for q in load_chat_prompts(4)]
+    greedy = LLM.from_model(model, tokenizer, max_num_seqs=4).generate(
+        prompts, SamplingParams(max_tokens=12), use_tqdm=False)
+    need = max(-(-(len(p) + 12) // 4) for p in prompts)  # one completion alone must fit
+    for caching in (False, True):
+        llm = LLM.from_model(model, tokenizer, enable_prefix_caching=caching, max_num_seqs=8, block_size=4,
+                             num_blocks=need + 6)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, n=4), use_tqdm=False)
+        assert sum(len(t.preempted) for t in llm.traces) > 0, f"caching={caching}: the pool should force preemption"
+        for o, want in zip(outs, greedy):
+            for c in o.outputs:
+                assert c.token_ids == want.token_ids, (
+                    f"caching={caching}, prompt {o.index}, completion {c.index}: "
+                    f"{first_difference(c.token_ids, want.token_ids, ('n=4', 'greedy'))}")
