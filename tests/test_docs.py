@@ -4,7 +4,8 @@ A learner who follows a link from a chapter or from a stub's error message and
 lands nowhere stops trusting the text. So every relative link and #anchor in
 README.md and the chapter texts must resolve, every stub's `README.md#task-K`
 must name an anchor of its chapter, and every repository path a text quotes in
-backticks (`minicb/engine.py`, `tests/test_ch06_engine.py::test_...`) must exist.
+backticks (`minicb/engine.py`, `tests/test_ch06_engine.py::test_...`) must exist,
+as must every markdown file a text names, quoted or not.
 """
 import pathlib
 import re
@@ -74,10 +75,17 @@ def test_quoted_paths_exist(text):
     assert not problems, f"{text_id(text)} quotes paths that do not exist:\n  " + "\n  ".join(problems)
 
 
-def test_texts_cite_no_file_outside_the_repository():
-    # The design notes the project started from are not part of it; a reader can't open them.
-    for text in TEXTS:
-        assert "DESIGN.md" not in text.read_text(), f"{text_id(text)} cites DESIGN.md, which is not in the repository"
+@pytest.mark.parametrize("text", TEXTS, ids=text_id)
+def test_every_markdown_file_a_text_names_exists(text):
+    # Quoted or not: a reader who meets "see FOO.md" must be able to open it here.
+    problems = []
+    for name in set(re.findall(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.md)\b", text.read_text())):
+        if name.startswith("build/"):
+            continue  # written by a command the text gives (build/ is ignored by git)
+        pattern = re.sub(r"NN(-slug)?", "*", name)
+        if not (list(ROOT.glob(pattern)) or list(text.parent.glob(pattern))):
+            problems.append(name)
+    assert not problems, f"{text_id(text)} names markdown files that are not in the repository: {sorted(problems)}"
 
 
 @pytest.mark.parametrize("module", sorted(impl.CHAPTERS))
