@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -159,8 +159,9 @@ class Engine:
             self.pool.copy_block(src, dst)
         seqs = out.sequences  # decodes first, then prefills
         # Who computed what where, read before postprocess frees the finished ones' slots.
-        work = [(s.request_id, s.slot, "decode" if i < len(out.decodes) else "prefill", out.num_new_tokens(s))
-                for i, s in enumerate(seqs)]
+        # (Admitted requests start at num_computed_tokens = their cached prefix.)
+        work = [(s.request_id, s.slot, "decode" if i < len(out.decodes) else "prefill", out.num_new_tokens(s),
+                 s.num_computed_tokens) for i, s in enumerate(seqs)]
         tokens: list[int] = []
         if seqs:
             input_ids, positions, meta = self.prepare(out)
@@ -231,9 +232,12 @@ class Engine:
 
     def _trace(self, out, work, result: StepOutput, seconds: float) -> StepTrace:
         slots = [SlotState(None, "empty", 0) for _ in range(self.config.max_num_seqs)]
-        for request_id, slot, phase, num_tokens in work:
+        for request_id, slot, phase, num_tokens, _ in work:
             slots[slot] = SlotState(request_id, phase, num_tokens)
         num_tokens = sum(s.num_tokens for s in slots)
+        admitted = set(out.admitted)
+        holders = Counter(block for seq in self.scheduler.running
+                          for block in self.allocator.block_table(seq.request_id))
         return StepTrace(
             step=self.num_steps - 1, slots=slots,
             admitted=list(out.admitted),
@@ -248,5 +252,6 @@ class Engine:
             time_s=seconds,
             new_tokens=list(result.new_tokens),
             cached_free_blocks=(self.allocator.cached_free_blocks() if self.config.enable_prefix_caching else []),
-            shared_blocks=(self.allocator.shared_blocks() if self.config.enable_prefix_caching else []),
+            shared_blocks=sorted(block for block, count in holders.items() if count > 1),
+            cached_tokens=[(request_id, cached) for request_id, _, _, _, cached in work if request_id in admitted],
         )

@@ -46,7 +46,9 @@ class StepTrace:
     time_s: float = 0.0  # wall-clock seconds the step took
     new_tokens: list[tuple[int, int]] = field(default_factory=list)  # (request_id, token id) sampled this step
     cached_free_blocks: list[int] = field(default_factory=list)  # prefix caching: free, but K/V kept for reuse
-    shared_blocks: list[int] = field(default_factory=list)  # prefix caching: held by more than one request
+    shared_blocks: list[int] = field(default_factory=list)  # held by more than one request (a shared prefix, n > 1)
+    # (request_id, prompt tokens served from the prefix cache) for each request admitted this step
+    cached_tokens: list[tuple[int, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,6 +59,7 @@ class StepTrace:
         d["slots"] = [SlotState(**s) for s in d["slots"]]
         d["finished"] = [tuple(f) for f in d["finished"]]
         d["new_tokens"] = [tuple(t) for t in d.get("new_tokens", [])]
+        d["cached_tokens"] = [tuple(t) for t in d.get("cached_tokens", [])]
         return StepTrace(**d)
 
 

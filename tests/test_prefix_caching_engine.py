@@ -48,6 +48,10 @@ def test_a_shared_system_prompt_is_computed_once(tiny):
     assert computed_on == computed_off - 8 * 44, (f"prefill tokens computed: {computed_on} with caching, "
                                                   f"{computed_off} without; want 8 x 44 fewer")
     assert llm.traces[-1].cached_free_blocks, "after the run the finished requests' blocks stay cached"
+    # The trace tells the same story, per admission, for the step player.
+    traced = dict(pair for trace in llm.traces for pair in trace.cached_tokens)
+    assert [traced[o.index] for o in on] == hits, f"trace cached_tokens {traced}, metrics {hits}"  # ids = indices here
+    assert any(trace.shared_blocks for trace in llm.traces), "requests sharing the system prompt share blocks"
 
 
 def test_the_same_prompt_twice_is_a_full_hit_that_still_computes_the_last_token(tiny):
