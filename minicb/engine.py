@@ -42,7 +42,6 @@ from minicb import impl
 from minicb.model import Model
 from minicb.paged_attention import KVPool
 from minicb.paged_model import AttentionMetadata, PagedAttention, attention_kernels
-from minicb.prefix_cache import CachingBlockAllocator
 from minicb.sampling import SamplingParams, make_generator, sample
 from minicb.scheduler import Sequence
 from minicb.trace import SlotState, StepTrace
@@ -62,8 +61,8 @@ class EngineConfig:
     # server needs none), N keeps the last N steps, None keeps every step.
     keep_traces: int | None = 0
     # Keep computed full blocks under a key of their prefix and share them with later
-    # requests that start the same way (minicb/prefix_cache.py). Off by default
-    # until chapter 07 explains it; greedy outputs are the same either way.
+    # requests that start the same way (minicb/prefix_cache.py). Greedy outputs are
+    # the same either way; chapter 07's text says why it is off by default.
     enable_prefix_caching: bool = False
 
 
@@ -93,7 +92,7 @@ class Engine:
         # The chapter components come through impl.load, so MINICB_IMPL=student
         # runs this very loop on the student's allocator and scheduler.
         if ec.enable_prefix_caching:
-            allocator = CachingBlockAllocator(num_blocks, ec.block_size)
+            allocator = impl.load("prefix_cache").CachingBlockAllocator(num_blocks, ec.block_size)
         else:
             allocator = impl.load("block_allocator").BlockAllocator(num_blocks, ec.block_size)
         scheduling = impl.load("scheduler")

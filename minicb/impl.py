@@ -43,6 +43,7 @@ CHAPTERS: dict[str, tuple[int, str]] = {
     "paged_attention": (4, "04-paged-attention"),
     "triton_attention": (5, "05-triton-attention"),
     "scheduler": (6, "06-continuous-batching"),
+    "prefix_cache": (7, "07-prefix-caching"),
 }
 
 

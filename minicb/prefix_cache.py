@@ -14,8 +14,8 @@ What you will learn:
 
 Run `python -m minicb.prefix_cache` for a small demo: two requests share a
 system prompt, one is freed, a third hits the cache, a fourth forces an
-eviction. Chapter 07 (prefix caching) will wire this allocator into the engine;
-for now the engine still uses chapter 03's `BlockAllocator`.
+eviction. The engine uses this allocator when `enable_prefix_caching=True`;
+chapter 07 (chapters/07-prefix-caching/README.md) explains it all.
 
 The keys of three requests (block_size 4) form a tree, one node per full block.
 A key depends on every token before it, so the same four tokens after a
@@ -139,19 +139,26 @@ class CachingBlockAllocator(BlockAllocator):
                 f"{why} needs {count} free block(s) but only {self.num_free_blocks} of {self.num_blocks} "
                 f"are free ({len(self._free)} plain, {len(self._evictable)} cached and evictable; "
                 f"block_size {self.block_size})")
-        blocks = []
-        for _ in range(count):
-            if self._free:
-                block = self._free.popleft()
-            else:
-                # Overwriting an evictable block's K/V: its key must go first, or a
-                # later lookup would hand out whatever is written there next.
-                block, key = self._evictable.popitem(last=False)
-                del self._block_of_key[key], self._key_of_block[block]
-                self.stats.evicted_blocks += 1
+        blocks = [self._free.popleft() if self._free else self.evict() for _ in range(count)]
+        for block in blocks:
             self._ref_counts[block] = 1
-            blocks.append(block)
         return blocks
+
+    def evict(self) -> int:
+        """Take the least recently freed evictable block out of the cache; return it.
+
+        Its key is dropped first: whoever gets the block will overwrite its K/V,
+        and a lookup must never find the old key pointing at new contents. The
+        block comes back with ref count 0 and no key, owned by nobody; _take
+        hands it out. Raises OutOfBlocksError when nothing is evictable.
+        """
+        if not self._evictable:
+            raise OutOfBlocksError(f"no cached block to evict: all {self.num_blocks} blocks are held "
+                                   f"or plain free ({len(self._free)} plain free)")
+        block, key = self._evictable.popitem(last=False)  # the front: freed longest ago
+        del self._block_of_key[key], self._key_of_block[block]
+        self.stats.evicted_blocks += 1
+        return block
 
     # ---- lookup at admission ------------------------------------------------------
 
@@ -162,8 +169,13 @@ class CachingBlockAllocator(BlockAllocator):
             raise TypeError(f"token_ids must be ints; got {bad[:3]!r} among {len(token_ids)} token(s)")
         return token_ids
 
-    def _cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """The physical blocks of the longest cached run of leading full blocks, capped."""
+    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """The physical blocks (held or evictable) of the longest cached run of leading full blocks.
+
+        At most (len(token_ids) - 1) // block_size blocks: the last token is
+        always left to compute. Changes nothing.
+        """
+        token_ids = self._check_tokens(token_ids)
         # Cap: at most (len - 1) // block_size blocks, so at least the last token
         # is computed -- the model needs its logits to sample the first output.
         # Sharing a full last block and recomputing only its last token would
@@ -179,7 +191,7 @@ class CachingBlockAllocator(BlockAllocator):
 
     def num_cached_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens of `token_ids` allocate_prefix would find cached. Changes nothing."""
-        return len(self._cached_prefix(self._check_tokens(token_ids))) * self.block_size
+        return len(self.cached_prefix(token_ids)) * self.block_size
 
     def free_blocks_needed(self, token_ids: list[int]) -> int:
         """How many of `num_free_blocks` allocate_prefix(token_ids) would use up.
@@ -190,7 +202,7 @@ class CachingBlockAllocator(BlockAllocator):
         watermark) at admission.
         """
         token_ids = self._check_tokens(token_ids)
-        hits = self._cached_prefix(token_ids)
+        hits = self.cached_prefix(token_ids)
         revived = sum(1 for block in hits if self._ref_counts[block] == 0)
         return self.blocks_needed(len(token_ids)) - len(hits) + revived
 
@@ -207,7 +219,7 @@ class CachingBlockAllocator(BlockAllocator):
         if seq_id in self._block_tables:
             raise ValueError(f"sequence {seq_id!r} is already allocated; free it first or pick a new id")
         token_ids = self._check_tokens(token_ids)
-        hits = self._cached_prefix(token_ids)
+        hits = self.cached_prefix(token_ids)
         num_fresh = self.blocks_needed(len(token_ids)) - len(hits)
         revived = [block for block in hits if self._ref_counts[block] == 0]
         if num_fresh + len(revived) > self.num_free_blocks:

@@ -87,39 +87,61 @@ def chapter01_answers(smollm2):
     return answers
 
 
-# ---- chapter 06: each scheduler task graded on its own --------------------------------
+# ---- chapters 06 and 07: each task graded on its own -----------------------------------
 
-# The scheduler's exercise methods, by task (chapters/06-continuous-batching/exercise.py).
-SCHEDULER_TASKS = {1: "admit", 2: "postprocess", 3: "schedule_decodes"}
+# The exercise's functions and methods, by task (chapters/NN-slug/exercise.py).
+TASK_FUNCTIONS = {
+    "scheduler": {1: ["Scheduler.admit"], 2: ["Scheduler.postprocess"], 3: ["Scheduler.schedule_decodes"]},
+    "prefix_cache": {
+        1: ["block_keys", "CachingBlockAllocator.cache_full_blocks"],
+        2: ["CachingBlockAllocator.cached_prefix", "CachingBlockAllocator.allocate_prefix"],
+        3: ["CachingBlockAllocator.evict", "CachingBlockAllocator.free"],
+        4: ["CachingBlockAllocator.append"],
+    },
+}
 
 
 @pytest.fixture
-def one_scheduler_task(request, monkeypatch):
-    """Run a chapter 06 test on the graded scheduler's method for the test's own task,
-    with the reference's methods for the other two tasks.
+def one_task(request, monkeypatch):
+    """Run a test on the graded module's code for the test's own task, with the
+    reference's code for the module's other tasks. The test file names its module
+    in a global GRADED_MODULE ("scheduler", "prefix_cache").
 
-    Every scheduler test drives whole steps (admit, decode, postprocess), so a test
-    of task 1 also calls the methods of tasks 2 and 3. Without this, a student who
-    has written only `admit` would still fail task 1 on the other two stubs. With
-    the reference loaded, nothing changes.
+    A scheduler test drives whole steps (admit, decode, postprocess), and a prefix
+    cache test frees what it allocated, so a test of one task also calls the code
+    of the others. Without this, a student who has written only task 1 would
+    still fail task 1 on the other stubs. A test marked task("all") runs the
+    graded code throughout; with the reference loaded, nothing changes.
     """
     import importlib
     import types
 
     from minicb import impl
 
+    name = request.module.GRADED_MODULE
     marker = request.node.get_closest_marker("task")
     if marker is None:
-        pytest.fail(f"{request.node.nodeid} needs @pytest.mark.task(k): it runs the graded method of task k")
-    graded, reference = impl.load("scheduler"), importlib.import_module("minicb.scheduler")
-    if graded is reference:
-        return
+        pytest.fail(f"{request.node.nodeid} needs @pytest.mark.task(k): it runs the graded code of task k")
+    graded, reference = impl.load(name), importlib.import_module(f"minicb.{name}")
     task = marker.args[0]
-    others = {name: getattr(reference.Scheduler, name) for t, name in SCHEDULER_TASKS.items() if t != task}
-    scheduler = types.SimpleNamespace(**vars(graded))
-    scheduler.Scheduler = type("Scheduler", (graded.Scheduler,), others)
+    if graded is reference or task == "all":
+        return
+    module = types.SimpleNamespace(**vars(graded))
+    classes: dict[str, dict] = {}
+    for other, functions in TASK_FUNCTIONS[name].items():
+        if other == task:
+            continue
+        for qualname in functions:
+            owner, _, function = qualname.rpartition(".")
+            if owner:
+                classes.setdefault(owner, {})[function] = getattr(getattr(reference, owner), function)
+            else:  # a module-level function: the graded module's own methods call it too
+                monkeypatch.setattr(graded, function, getattr(reference, function))
+                setattr(module, function, getattr(reference, function))
+    for owner, methods in classes.items():
+        setattr(module, owner, type(owner, (getattr(graded, owner),), methods))
     load = impl.load
-    monkeypatch.setattr(impl, "load", lambda module: scheduler if module == "scheduler" else load(module))
+    monkeypatch.setattr(impl, "load", lambda m: module if m == name else load(m))
 
 
 # ---- integration rows: the chapter 06 engine against chapter 01 -----------------------
@@ -127,7 +149,7 @@ def one_scheduler_task(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def engine_matches_chapter01():
-    """check(model, requests, **engine_config) -> number of preemptions.
+    """check(model, requests, **engine_config) -> number of preemptions (check.engine: the engine it ran).
 
     Serves `requests`, a list of (arrival_step, prompt_ids, SamplingParams), through
     the chapter 06 engine built from whatever `impl.load` hands out (so from the
@@ -140,7 +162,7 @@ def engine_matches_chapter01():
     from minicb.naive import first_difference, generate_with_cache  # the reference: the oracle
 
     def check(model, requests, **engine_config):
-        engine = Engine(model, EngineConfig(**engine_config))
+        engine = check.engine = Engine(model, EngineConfig(**engine_config))
         num_blocks = engine.allocator.num_blocks
         pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
         index_of, finished, preemptions, step = {}, {}, 0, 0

@@ -14,7 +14,8 @@ from minicb.naive import first_difference, generate_with_cache
 
 # Each test runs the graded scheduler's method for its own task and the reference's
 # for the other two (conftest.py), so every task is graded on its own.
-pytestmark = pytest.mark.usefixtures("one_scheduler_task")
+GRADED_MODULE = "scheduler"  # the one_task fixture (conftest.py) grades one task at a time
+pytestmark = pytest.mark.usefixtures("one_task")
 
 
 @pytest.fixture(scope="module")

@@ -110,6 +110,22 @@ MUTANTS = [
            [("seq.num_tokens, self.max_model_len)", "seq.num_tokens, 10**9)")]),
     Mutant(6, 3, "schedule_decodes preempts the oldest running request, not the newest",
            "Scheduler.schedule_decodes", [("victim = self.running[-1]", "victim = self.running[0]")]),
+    # ---- chapter 07: prefix caching
+    Mutant(7, 1, "block keys hash each block alone, not chained to the parent's key", "block_keys",
+           [("parent = hash((parent, tuple(", "parent = hash((None, tuple(")]),
+    Mutant(7, 1, "cache_full_blocks lets a second block take over a key that is served",
+           "CachingBlockAllocator.cache_full_blocks",
+           [("if block in self._key_of_block or key in self._block_of_key:", "if block in self._key_of_block:")]),
+    Mutant(7, 2, "the lookup shares a full last block, leaving no token to compute", "CachingBlockAllocator.cached_prefix",
+           [("max(0, len(token_ids) - 1) // self.block_size", "len(token_ids) // self.block_size")]),
+    Mutant(7, 2, "allocate_prefix leaves its evictable hits in the LRU queue", "CachingBlockAllocator.allocate_prefix",
+           [("del self._evictable[block]", "pass")]),
+    Mutant(7, 3, "evict takes the most recently freed block", "CachingBlockAllocator.evict",
+           [("self._evictable.popitem(last=False)", "self._evictable.popitem(last=True)")]),
+    Mutant(7, 3, "free sends cached blocks to the plain free list, losing the cache", "CachingBlockAllocator.free",
+           [("if key is None:", "if True:")]),
+    Mutant(7, 4, "append writes into a shared partial block instead of copying it", "CachingBlockAllocator.append",
+           [("elif self._ref_counts[table[-1]] > 1:", "elif False:")]),
 ]
 
 

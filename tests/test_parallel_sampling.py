@@ -19,9 +19,9 @@ def tiny():
     return random_model(seed=13)
 
 
-@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
-def test_greedy_completions_all_equal_chapter01_and_copy_on_write_runs(tiny, caching, monkeypatch):
-    llm = LLM.from_model(tiny, block_size=4, num_blocks=64, max_num_seqs=8, enable_prefix_caching=caching)
+def test_greedy_completions_all_equal_chapter01_and_copy_on_write_runs(tiny, monkeypatch):
+    # (With prefix caching on: tests/test_ch07_engine.py.)
+    llm = LLM.from_model(tiny, block_size=4, num_blocks=64, max_num_seqs=8)
     copies = []
     copy_block = llm.engine.pool.copy_block
     monkeypatch.setattr(llm.engine.pool, "copy_block", lambda src, dst: copies.append((src, dst)) or copy_block(src, dst))

@@ -1,11 +1,12 @@
-"""Prefix caching in the engine: the same tokens with it on and off, and fewer tokens computed.
+"""Chapter 07 in the engine: the same tokens with prefix caching on and off, and fewer computed.
 
 `EngineConfig(enable_prefix_caching=True)` gives the engine chapter 07's
-caching block pool (minicb/prefix_cache.py): a request that starts like an
-earlier one shares that one's computed blocks and prefills only the rest. The
-oracle is the engine with caching off, which chapter 06 holds to chapter 01:
-greedy outputs must be identical, token for token, through shared system
-prompts, a full-prefix hit, a multi-turn conversation and preemption.
+caching block pool (your exercise under `check 7`): a request that starts like
+an earlier one shares that one's computed blocks and prefills only the rest.
+The oracle is the engine with caching off, which chapter 06 holds to chapter
+01: greedy outputs must be identical, token for token, through shared system
+prompts, a full-prefix hit, a multi-turn conversation, preemption and n = 4
+parallel sampling. The SmolLM2 tests (marked slow) do the same on the real model.
 """
 import random
 
@@ -13,7 +14,10 @@ import pytest
 
 from minicb import LLM, SamplingParams
 from minicb.model import random_model
-from minicb.naive import first_difference
+from minicb.naive import first_difference, generate_with_cache
+
+GRADED_MODULE = "prefix_cache"  # the one_task fixture (conftest.py) grades one task at a time
+pytestmark = pytest.mark.usefixtures("one_task")
 
 SYSTEM = [(13 * i) % 200 + 3 for i in range(45)]  # a 45-token "system prompt" every request starts with
 
@@ -35,6 +39,7 @@ def assert_same_tokens(with_cache, without, what):
         assert a.token_ids == b.token_ids, f"{what}, request {i}: {first_difference(a.token_ids, b.token_ids, ('caching on', 'caching off'))}"
 
 
+@pytest.mark.task(2)
 def test_a_shared_system_prompt_is_computed_once(tiny):
     rng = random.Random(0)
     prompts = [SYSTEM + [rng.randrange(3, 250) for _ in range(rng.randint(1, 9))] for _ in range(12)]
@@ -54,6 +59,7 @@ def test_a_shared_system_prompt_is_computed_once(tiny):
     assert any(trace.shared_blocks for trace in llm.traces), "requests sharing the system prompt share blocks"
 
 
+@pytest.mark.task(2)
 def test_the_same_prompt_twice_is_a_full_hit_that_still_computes_the_last_token(tiny):
     prompt = SYSTEM[:40]  # exactly 10 blocks of 4
     llm = LLM.from_model(tiny, enable_prefix_caching=True, block_size=4, num_blocks=40)
@@ -67,6 +73,7 @@ def test_the_same_prompt_twice_is_a_full_hit_that_still_computes_the_last_token(
     assert prefill == [4], f"the second request should prefill only its last block (4 tokens), got {prefill}"
 
 
+@pytest.mark.task(1)
 def test_a_three_turn_conversation_reuses_the_earlier_turns(tiny):
     llm_on = LLM.from_model(tiny, enable_prefix_caching=True, block_size=4, num_blocks=80)
     llm_off = LLM.from_model(tiny, enable_prefix_caching=False, block_size=4, num_blocks=80)
@@ -82,6 +89,7 @@ def test_a_three_turn_conversation_reuses_the_earlier_turns(tiny):
         f"each turn should find the earlier turns cached: cached prompt tokens per turn {cached}")
 
 
+@pytest.mark.task(3)
 def test_preemption_with_caching_gives_the_same_tokens(tiny):
     rng = random.Random(1)
     prompts = [SYSTEM[:rng.randint(5, 30)] + [rng.randrange(3, 250) for _ in range(rng.randint(1, 12))]
@@ -96,7 +104,28 @@ def test_preemption_with_caching_gives_the_same_tokens(tiny):
     assert llm.engine.allocator.num_free_blocks == 22, "every block must be free (or evictable) at the end"
 
 
+@pytest.mark.task(4)
+def test_n_4_completions_copy_on_write_and_all_equal_greedy(tiny, monkeypatch):
+    prompts = [SYSTEM[:6], SYSTEM[:13], SYSTEM[:3] + [7, 7, 7, 7, 7]]
+    llm = LLM.from_model(tiny, block_size=4, num_blocks=64, max_num_seqs=8, enable_prefix_caching=True)
+    copies = []
+    copy_block = llm.engine.pool.copy_block
+    monkeypatch.setattr(llm.engine.pool, "copy_block", lambda src, dst: copies.append((src, dst)) or copy_block(src, dst))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=9, n=4), use_tqdm=False)
+    for o in outs:
+        want = generate_with_cache(tiny, o.prompt_token_ids, SamplingParams(max_tokens=9)).token_ids
+        for c in o.outputs:
+            assert c.token_ids == want, (f"prompt {o.index}, completion {c.index}: "
+                                         f"{first_difference(c.token_ids, want, ('n=4', 'greedy'))}")
+    # Prompts of 6, 13 and 8 tokens: the first two end in a partial block that 4
+    # completions share, so 3 of each 4 copy it on their first write; the 8-token
+    # prompt fills its last block, and a full block is never written again.
+    assert len(copies) == 6, f"want 3 + 3 copy-on-write copies (partial last blocks), got {len(copies)}: {copies}"
+    assert llm.engine.allocator.num_free_blocks == 64 and not llm.engine.requests, "everything must be freed"
+
+
 @pytest.mark.slow
+@pytest.mark.task("all")
 def test_smollm2_chat_with_a_shared_system_prompt_is_unchanged_by_caching(smollm2):
     model, tokenizer, _ = smollm2
     from minicb.data import load_chat_prompts
@@ -116,6 +145,7 @@ def test_smollm2_chat_with_a_shared_system_prompt_is_unchanged_by_caching(smollm
 
 
 @pytest.mark.slow
+@pytest.mark.task("all")
 def test_smollm2_tight_pool_with_n_4_equals_greedy_with_and_without_caching(smollm2):
     model, tokenizer, _ = smollm2
     from minicb.data import load_chat_prompts
