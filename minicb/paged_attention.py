@@ -384,7 +384,7 @@ def check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, cu_seqle
                          f"total_q_tokens = {q.shape[0]}; got {starts}")
     # Each sequence's last query row is an ordinary decode query, so the decode
     # checks cover the pool, the tables and the lengths.
-    last_rows = torch.tensor(starts[1:], device=q.device) - 1  # [num_seqs]
+    last_rows = torch.tensor(starts[1:], dtype=torch.long, device=q.device) - 1  # [num_seqs]; long, even when empty
     check_paged_args(q[last_rows], k_cache, v_cache, block_tables, context_lens)
     lens = context_lens.tolist()
     for i, (q_len, n) in enumerate(zip(q_lens, lens)):
