@@ -242,3 +242,73 @@ def test_block_offsets_past_int32(device):
         f"the tile kernel with block offsets past 2**31 elements failed (exit code {result.returncode}; a "
         f"negative code is a crash, e.g. -11 for a segfault: cast block ids to int64 before multiplying by a "
         f"stride).\nstdout:\n{result.stdout[-2000:]}\nstderr:\n{result.stderr[-2000:]}")
+
+
+# ----------------------------------------------------------------------------
+# In the model: the Triton backend's prefill. Compiled, it is the tile kernel by
+# default; under the interpreter MINICB_TILE_PREFILL=1 asks for it.
+
+def mixed_step_logits(kernels, seed=0):
+    """Logits of every new token of one mixed step (2 decodes, a chunk after 9 cached tokens, a prompt)
+    of a small random model, over a pool whose cached slots hold random K/V."""
+    from minicb.block_allocator import BlockAllocator
+    from minicb.model import random_model
+    from minicb.paged_attention import KVPool
+    from minicb.paged_model import AttentionMetadata, PagedAttention
+
+    model = random_model(seed=seed)
+    cfg = model.config
+    seqs, num_decodes, block_size = [(5, 1), (13, 1), (13, 4), (7, 7)], 2, 4  # (context length, new tokens)
+    allocator = BlockAllocator(num_blocks=32, block_size=block_size)
+    pool = KVPool(cfg.num_layers, 32, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
+    gen = torch.Generator().manual_seed(seed)
+    for cache in pool.k_caches + pool.v_caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    input_ids, positions, slots, tables = [], [], [], []
+    for seq_id, (n, new) in enumerate(seqs):
+        allocator.allocate(seq_id, n)
+        input_ids += [(7 * seq_id + p) % cfg.vocab_size for p in range(n - new, n)]
+        positions += range(n - new, n)
+        slots += allocator.slot_mapping(seq_id, n - new, n)
+        tables.append(allocator.block_table(seq_id))
+    meta = AttentionMetadata.build(tables, [n for n, _ in seqs], [new for _, new in seqs], slots, num_decodes,
+                                   model.device)
+    attention = PagedAttention(pool.k_caches, pool.v_caches, meta, kernels)
+    every_token = torch.arange(len(input_ids))[None]
+    with torch.no_grad():
+        return model(torch.tensor([input_ids]), torch.tensor([positions]), attention, logits_at=every_token)
+
+
+def test_model_step_with_tile_prefill_matches_torch_backend(monkeypatch):
+    from minicb import paged_attention, triton_attention
+    if not triton_attention.INTERPRETED:
+        pytest.skip("the kernels are compiled for CUDA; this test builds CPU tensors")
+    monkeypatch.setenv("MINICB_TILE_PREFILL", "1")
+    calls = []
+    launch = tile_attention.paged_attention_tiles_unchecked
+    monkeypatch.setattr(tile_attention, "paged_attention_tiles_unchecked",
+                        lambda *args, **kwargs: calls.append(1) or launch(*args, **kwargs))
+    got = mixed_step_logits(triton_attention)
+    assert len(calls) == 2, f"the tile kernel ran {len(calls)} times; once per layer (2) expected"
+    monkeypatch.setenv("MINICB_CPU_DECODE", "gather")  # chapter 04 as written, not the compiled CPU decode
+    expected = mixed_step_logits(paged_attention)
+    diff = (got - expected).abs().max().item()
+    assert diff < 1e-4, f"logits with the tile prefill differ from the torch backend's by {diff:.3g}"
+
+
+def test_which_prefill_the_triton_backend_runs(monkeypatch):
+    from types import SimpleNamespace
+
+    from minicb.paged_model import use_tile_prefill
+    reference = SimpleNamespace(__name__="minicb.triton_attention", INTERPRETED=False)
+    interpreted = SimpleNamespace(__name__="minicb.triton_attention", INTERPRETED=True)
+    student = SimpleNamespace(__name__="minicb_student_triton_attention")
+    monkeypatch.delenv("MINICB_TILE_PREFILL", raising=False)
+    assert use_tile_prefill(reference) and not use_tile_prefill(interpreted) and not use_tile_prefill(student)
+    monkeypatch.setenv("MINICB_TILE_PREFILL", "0")
+    assert not use_tile_prefill(reference)
+    monkeypatch.setenv("MINICB_TILE_PREFILL", "1")
+    assert use_tile_prefill(interpreted) and not use_tile_prefill(student)  # a student's prefill is graded
+    monkeypatch.setenv("MINICB_TILE_PREFILL", "yes")
+    with pytest.raises(ValueError, match="MINICB_TILE_PREFILL='yes'"):
+        use_tile_prefill(reference)
