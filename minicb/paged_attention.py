@@ -352,6 +352,19 @@ def paged_decode_attention_unchecked(q, k_cache, v_cache, plan, scale=None):
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale=None):
     """Causal attention for packed queries q [total_q_tokens, n_q_heads, head_dim]; returns the same shape."""
+    starts, lens = check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
+    if len(starts) == 1:
+        return q.clone()  # no sequences, no tokens
+    return paged_prefill_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
+                                             starts, lens, scale)
+
+
+def check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q):
+    """Raise TypeError/ValueError naming the bad value unless the ragged batch fits together.
+
+    Returns cu_seqlens_q and context_lens as Python lists (read on the host once,
+    here), for the callers that loop over them. minicb/tile_attention.py checks with it too.
+    """
     _require_tensors(q=q, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q)
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q_tokens, n_q_heads, head_dim] (3 dims), got shape {tuple(q.shape)}")
@@ -371,18 +384,14 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu_
                          f"total_q_tokens = {q.shape[0]}; got {starts}")
     # Each sequence's last query row is an ordinary decode query, so the decode
     # checks cover the pool, the tables and the lengths.
-    last_rows = torch.tensor(starts[1:], device=q.device) - 1  # [num_seqs]
+    last_rows = torch.tensor(starts[1:], dtype=torch.long, device=q.device) - 1  # [num_seqs]; long, even when empty
     check_paged_args(q[last_rows], k_cache, v_cache, block_tables, context_lens)
-    if not q_lens:
-        return q.clone()  # no sequences, no tokens
     lens = context_lens.tolist()
     for i, (q_len, n) in enumerate(zip(q_lens, lens)):
         if q_len > n:
             raise ValueError(f"sequence {i} has {q_len} query tokens but context length {n}; its queries "
                              f"are the last tokens of its context, so q_len must be <= context_len")
-
-    return paged_prefill_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,
-                                             starts, lens, scale)
+    return starts, lens
 
 
 def paged_prefill_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q,

@@ -14,7 +14,9 @@ every layer (see minicb/model.py). It stores the new K/V through the slot
 mapping, then runs the decode kernel over the first `num_decodes` sequences and
 the ragged prefill over the rest. The kernels come from chapter 04
 (`minicb.paged_attention`, attention="torch") or chapter 05
-(`minicb.triton_attention`, attention="triton"); both share one signature.
+(`minicb.triton_attention`, attention="triton"); both share one signature. With
+attention="triton" compiled on a GPU, the prefill part of a step runs the
+query-tile kernel of minicb/tile_attention.py instead (`use_tile_prefill`).
 
 The batch is checked once per step, on the host lists, when the metadata is
 built and when `PagedAttention` is made; inside the forward the kernels run
@@ -27,6 +29,7 @@ Chapter 06's engine builds the same metadata for many sequences at once.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -162,15 +165,27 @@ class PagedAttention:
         num_blocks, block_size = k_caches[0].shape[:2]
         meta.check_fits(num_blocks, block_size)
         self.ops = _unchecked_ops(kernels)
-        # Ragged prefill: the backend's own, except under the Triton interpreter
-        # (CPU), where running a whole prompt through Python-level kernel programs
-        # takes minutes; there chapter 04's PyTorch prefill does it, and Triton keeps
-        # store_kv and decode, the kernels chapter 05 is about.
+        d = meta.num_decodes  # decode tokens are q[:d], one per sequence
+        # Prefill tokens are q[first:], with offsets relative to the first one.
+        self.first_prefill_token = meta.host_cu_seqlens_q[d]
+        self.prefill_starts = [start - self.first_prefill_token for start in meta.host_cu_seqlens_q[d:]]
+        self.prefill_cu = meta.cu_seqlens_q[d:] - self.first_prefill_token
+
+        # Ragged prefill: the backend's own, except in two cases.
+        # - Under the Triton interpreter (CPU), running a whole prompt through
+        #   Python-level kernel programs takes minutes; there chapter 04's PyTorch
+        #   prefill does it, and Triton keeps store_kv and decode, the kernels
+        #   chapter 05 is about.
+        # - The reference Triton backend, compiled, prefills with the query-tile
+        #   kernel of minicb/tile_attention.py, which reads each sequence's K/V once
+        #   per tile of new tokens where chapter 05's reads them once per new token.
+        #   Its tile plan is built here, once per step. See use_tile_prefill().
         self.prefill = self.ops.prefill
         if getattr(kernels, "INTERPRETED", False):
             self.prefill = _unchecked_ops(impl.load("paged_attention")).prefill
+        if meta.num_seqs > d and use_tile_prefill(kernels):
+            self.prefill = _tile_prefill(self.prefill_starts, k_caches[0])
 
-        d = meta.num_decodes  # decode tokens are q[:d], one per sequence
         # On a CPU, in fp32, the reference backend decodes with minicb/cpu_attention.py:
         # chapter 04's online softmax compiled with Numba, reading the blocks in place
         # instead of gathering a copy. A student's module always runs as written.
@@ -181,10 +196,6 @@ class PagedAttention:
         if d > 0 and not self.cpu_decode:
             self.decode_plan = self.ops.decode_plan(meta.block_tables[:d], meta.context_lens[:d],
                                                     max(meta.host_context_lens[:d]), block_size)
-        # Prefill tokens are q[first:], with offsets relative to the first one.
-        self.first_prefill_token = meta.host_cu_seqlens_q[d]
-        self.prefill_starts = [start - self.first_prefill_token for start in meta.host_cu_seqlens_q[d:]]
-        self.prefill_cu = meta.cu_seqlens_q[d:] - self.first_prefill_token
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [1, N, n_heads, hd]; k, v [1, N, n_kv_heads, hd]
@@ -204,6 +215,38 @@ class PagedAttention:
                                       meta.host_context_lens[d:]))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out[None]  # [1, N, n_heads, hd]
+
+
+def use_tile_prefill(kernels) -> bool:
+    """Whether a step's prefills go to minicb/tile_attention.py's query-tile kernel.
+
+    Only for the reference Triton backend: a student's chapter 05 module always
+    runs its own prefill, which is what that chapter grades. By default only when
+    the kernels are compiled (under the interpreter chapter 04's PyTorch prefill is
+    far quicker). MINICB_TILE_PREFILL=1 or 0 overrides that default, e.g. to run
+    the tile kernel under the interpreter in a test, or chapter 05's prefill on a GPU.
+    """
+    if kernels.__name__ != "minicb.triton_attention":
+        return False
+    setting = os.environ.get("MINICB_TILE_PREFILL")
+    if setting is None:
+        return not kernels.INTERPRETED
+    if setting not in ("0", "1"):
+        raise ValueError(f"MINICB_TILE_PREFILL={setting!r}; allowed: '1' (the query-tile kernel) or '0' (chapter "
+                         f"05's prefill, or chapter 04's under the Triton interpreter)")
+    return setting == "1"
+
+
+def _tile_prefill(query_starts: list[int], k_cache: torch.Tensor):
+    """A prefill with the unchecked-prefill signature that runs the tile kernel on a plan built now, once."""
+    from minicb import tile_attention  # here: importing it imports triton, which the torch backend never needs
+
+    plan = tile_attention.tile_plan(query_starts, k_cache)
+
+    def prefill(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, query_starts, lens):
+        return tile_attention.paged_attention_tiles_unchecked(q, k_cache, v_cache, block_tables, context_lens,
+                                                              cu_seqlens_q, plan)
+    return prefill
 
 
 def _unchecked_ops(kernels) -> SimpleNamespace:

@@ -139,3 +139,14 @@ def test_triton_decode_forward_reads_nothing_on_the_host():
         pytest.skip("the kernels are compiled for CUDA; this test builds CPU tensors")
     reads = forward_reads("decode", "triton")
     assert reads == [], f"{len(reads)} host reads in a Triton decode forward:\n" + "\n".join(reads)
+
+
+@pytest.mark.parametrize("step", ["prefill", "mixed"])
+def test_triton_tile_prefill_forward_reads_nothing_on_the_host(step, monkeypatch):
+    # Compiled, the Triton backend prefills with minicb/tile_attention.py; under the
+    # interpreter only when asked, since chapter 04's prefill is quicker there.
+    if not triton_attention.INTERPRETED:
+        pytest.skip("the kernels are compiled for CUDA; this test builds CPU tensors")
+    monkeypatch.setenv("MINICB_TILE_PREFILL", "1")
+    reads = forward_reads(step, "triton")
+    assert reads == [], f"{len(reads)} host reads in a Triton {step} forward, tile prefill:\n" + "\n".join(reads)

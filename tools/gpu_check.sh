@@ -2,7 +2,8 @@
 # make gpu-check: everything that needs a CUDA GPU, in one prepared run.
 #   1. the whole test suite on the GPU (MINICB_DEVICE=cuda, compiled Triton)
 #   2. every notebook, executed top to bottom
-#   3. the Triton kernel benchmark at batch 64 x ctx 4096, bf16 (goal: >= 70% of HBM bandwidth)
+#   3. the Triton kernel benchmark at batch 64 x ctx 4096, bf16 (goal: >= 70% of HBM bandwidth),
+#      and the query-tile kernel beside chapter 05's prefill on prefill and mixed steps
 #   4. the engine benchmark (minicb with Triton attention vs HF transformers), bf16
 # and a short report in build/gpu-report.md. Each part is time-limited, and a
 # failing part is recorded without stopping the others; the script exits
@@ -36,6 +37,7 @@ export PYTHONUNBUFFERED=1
 run tests 240 env MINICB_DEVICE=cuda $PY -m pytest tests -q -p no:cacheprovider -x
 run notebooks 150 $PY -m pytest --nbmake notebooks -q -p no:cacheprovider --nbmake-timeout=120
 run kernel-bench 60 $PY -m minicb.triton_attention --batch 64 --ctx 4096 --dtype bfloat16 --json "$OUT/kernel.json"
+run tile-bench 60 $PY -m minicb.tile_attention --dtype bfloat16
 run engine-bench 150 $PY -m minicb bench --workload chat --device cuda --dtype bfloat16 --attention triton \
     --num-prompts 100 --max-tokens 256 --slots 32 --out "$OUT/bench.json"
 
@@ -54,6 +56,9 @@ run engine-bench 150 $PY -m minicb bench --workload chat --device cuda --dtype b
     echo
     echo '## kernel benchmark'
     echo '```'; tail -n 15 "$OUT/kernel-bench.log"; echo '```'
+    echo
+    echo '## tile kernel vs chapter 05 prefill'
+    echo '```'; tail -n 12 "$OUT/tile-bench.log"; echo '```'
     echo
     echo '## engine benchmark'
     if [ -f "$OUT/bench.md" ]; then cat "$OUT/bench.md"; else echo '```'; tail -n 15 "$OUT/engine-bench.log"; echo '```'; fi
