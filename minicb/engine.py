@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minicb import impl
+from minicb.chunked_prefill import ChunkedScheduler
 from minicb.model import Model
 from minicb.paged_attention import KVPool
 from minicb.paged_model import AttentionMetadata, PagedAttention, attention_kernels
@@ -64,6 +65,10 @@ class EngineConfig:
     # requests that start the same way (minicb/prefix_cache.py). Greedy outputs are
     # the same either way; chapter 07's text says why it is off by default.
     enable_prefix_caching: bool = False
+    # Cut prompts into chunks that fill what the running requests' decodes leave of
+    # max_num_batched_tokens, so no step computes more than that (minicb/chunked_prefill.py,
+    # chapter 08). Off: chapter 06's scheduler admits each prompt whole.
+    enable_chunked_prefill: bool = False
 
 
 @dataclass
@@ -97,7 +102,8 @@ class Engine:
             allocator = impl.load("block_allocator").BlockAllocator(num_blocks, ec.block_size)
         scheduling = impl.load("scheduler")
         self.Sequence = scheduling.Sequence
-        self.scheduler = scheduling.Scheduler(
+        Scheduler = ChunkedScheduler if ec.enable_chunked_prefill else scheduling.Scheduler
+        self.scheduler = Scheduler(
             allocator, ec.max_num_seqs, cfg.max_position_embeddings, cfg.eos_token_ids,
             ec.max_num_batched_tokens, ec.watermark)
         self.allocator = allocator
@@ -161,15 +167,23 @@ class Engine:
         # (Admitted requests start at num_computed_tokens = their cached prefix.)
         work = [(s.request_id, s.slot, "decode" if i < len(out.decodes) else "prefill", out.num_new_tokens(s),
                  s.num_computed_tokens) for i, s in enumerate(seqs)]
-        tokens: list[int] = []
+        # Where each sequence's computed tokens end after this step. A sequence that
+        # reaches its last token gets a sampled token; a chunk of a longer prompt
+        # (chapter 08) gets None: its last row's logits predict a prompt token.
+        ends = [s.num_computed_tokens + out.num_new_tokens(s) for s in seqs]
+        tokens: list[int | None] = [None] * len(seqs)
         if seqs:
             input_ids, positions, meta = self.prepare(out)
             attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
             logits = self.model(input_ids, positions, attention, logits_at=meta.last_token_index())  # [1, S, V]
-            tokens = sample(logits[0], [s.params for s in seqs], [s.generator for s in seqs])
+            done = [i for i, (s, end) in enumerate(zip(seqs, ends)) if end == s.num_tokens]
+            if done:
+                sampled = sample(logits[0, done], [seqs[i].params for i in done], [seqs[i].generator for i in done])
+                for i, token in zip(done, sampled):
+                    tokens[i] = token
             if self.config.enable_prefix_caching:  # their K/V are computed now: key the full blocks
-                for seq in seqs:
-                    self.allocator.cache_full_blocks(seq.request_id, seq.token_ids)
+                for seq, end in zip(seqs, ends):
+                    self.allocator.cache_full_blocks(seq.request_id, seq.token_ids[:end])
             forked = self._fork_completions(seqs, logits[0], out, tokens)
         else:
             forked = []
@@ -177,7 +191,7 @@ class Engine:
         for seq in finished:
             del self.requests[seq.request_id]  # handed out below; the engine keeps nothing
         self.num_steps += 1
-        result = StepOutput(new_tokens=[(s.request_id, t) for s, t in zip(out.sequences, tokens)],
+        result = StepOutput(new_tokens=[(s.request_id, t) for s, t in zip(out.sequences, tokens) if t is not None],
                             finished=finished, forked=forked)
         if self.traces.maxlen != 0:
             result.trace = self._trace(out, work, result, time.perf_counter() - t0)
@@ -197,8 +211,8 @@ class Engine:
         """
         forked = []
         for row, parent in enumerate(seqs):
-            if parent.forked or parent.params.n == 1:
-                continue
+            if parent.forked or parent.params.n == 1 or tokens[row] is None:
+                continue  # (None: a chunk of its prompt is still to come)
             parent.forked = True
             for completion in range(1, parent.params.n):
                 rid = next(self._ids)
@@ -218,7 +232,8 @@ class Engine:
         """Pack the scheduled sequences into one batch: input_ids, positions [1, N] and metadata."""
         input_ids, positions, slots, tables, context_lens, num_new = [], [], [], [], [], []
         for seq in out.sequences:
-            start, end = seq.num_computed_tokens, seq.num_tokens  # the uncached tokens
+            start = seq.num_computed_tokens  # the uncached tokens, or the next chunk of them
+            end = start + out.num_new_tokens(seq)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += self.allocator.slot_mapping(seq.request_id, start, end)

@@ -76,13 +76,16 @@ class LLM:
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str = "float32",
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 32,
                  attention: str = "torch", max_num_batched_tokens: int = 4096,
-                 keep_traces: int | None = None, enable_prefix_caching: bool = False):
+                 keep_traces: int | None = None, enable_prefix_caching: bool = False,
+                 enable_chunked_prefill: bool = False):
         """model: None for the embedded SmolLM2, a .gguf file, or an HF checkpoint directory.
         device: None for cuda when available, else cpu.
         keep_traces: the StepTraces of each call to keep in `llm.traces` for the pictures:
         None every step, N the last N, 0 none (for a long-running caller).
         enable_prefix_caching: share computed prompt blocks between requests that start
-        alike (minicb/prefix_cache.py); metrics.num_cached_tokens says how many."""
+        alike (minicb/prefix_cache.py); metrics.num_cached_tokens says how many.
+        enable_chunked_prefill: cut long prompts into chunks so that no step computes more
+        than max_num_batched_tokens tokens (minicb/chunked_prefill.py)."""
         from minicb.tokenizer import load_tokenizer
         from minicb.weights import load_model
 
@@ -96,7 +99,7 @@ class LLM:
         self._setup(net, tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs, attention=attention,
             max_num_batched_tokens=max_num_batched_tokens, keep_traces=keep_traces,
-            enable_prefix_caching=enable_prefix_caching))
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill))
 
     @classmethod
     def from_model(cls, net: Model, tokenizer=None, **engine_config) -> "LLM":

@@ -244,11 +244,12 @@ class CachingBlockAllocator(BlockAllocator):
     # ---- registering computed blocks ------------------------------------------------
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int]) -> int:
-        """Give keys to `seq_id`'s full blocks, once their K/V are computed; return how many are new.
+        """Give keys to `seq_id`'s full blocks among `token_ids`; return how many keys are new.
 
-        `token_ids` are the sequence's tokens; the first `num_tokens(seq_id)`
-        must all have K/V in the cache (call it after the forward pass). Only
-        full blocks among them get keys. Calling it again changes nothing.
+        `token_ids` are the sequence's tokens whose K/V are computed now (call it
+        after the forward pass): all of them, or the first ones when the rest of a
+        prompt is still to come in later chunks (chapter 08). Only full blocks
+        among them get keys. Calling it again changes nothing.
 
         One key, one block: if another physical block already holds a full
         block's key (two requests computed the same prefix side by side), this
@@ -258,10 +259,10 @@ class CachingBlockAllocator(BlockAllocator):
         table = self._lookup(seq_id)
         num_tokens = self._num_tokens[seq_id]
         token_ids = self._check_tokens(token_ids)
-        if len(token_ids) < num_tokens:
-            raise ValueError(f"sequence {seq_id!r} holds {num_tokens} token slot(s) but token_ids has only "
-                             f"{len(token_ids)}; pass all its tokens (prompt + outputs)")
-        keys = block_keys(token_ids[:num_tokens], self.block_size)
+        if len(token_ids) > num_tokens:
+            raise ValueError(f"sequence {seq_id!r} holds {num_tokens} token slot(s) but token_ids has "
+                             f"{len(token_ids)}; pass only tokens whose K/V are in its blocks")
+        keys = block_keys(token_ids, self.block_size)
         # Check before changing anything: a block already cached under a different
         # key means token_ids are not the tokens this sequence wrote.
         for index, key in enumerate(keys):

@@ -84,17 +84,21 @@ class SchedulerOutput:
     """What the engine computes this step. Decodes come first in the batch, then prefills."""
 
     decodes: list[Sequence] = field(default_factory=list)  # one new token each
-    prefills: list[Sequence] = field(default_factory=list)  # all their uncached tokens
+    prefills: list[Sequence] = field(default_factory=list)  # all their uncached tokens (or a chunk of them)
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies
+    # Chunked prefill (chapter 08): request_id -> tokens it computes this step, when fewer
+    # than all its uncomputed ones. Chapter 06 leaves it empty: a prefill is whole.
+    num_scheduled: dict[int, int] = field(default_factory=dict)
 
     @property
     def sequences(self) -> list[Sequence]:
         return self.decodes + self.prefills
 
     def num_new_tokens(self, seq: Sequence) -> int:
-        return seq.num_tokens - seq.num_computed_tokens
+        """Tokens `seq` computes this step: positions [num_computed_tokens, num_computed_tokens + this)."""
+        return self.num_scheduled.get(seq.request_id, seq.num_tokens - seq.num_computed_tokens)
 
     @property
     def is_empty(self) -> bool:
@@ -234,7 +238,9 @@ class Scheduler:
         """Append each scheduled sequence's sampled token; evict the finished. Returns them."""
         finished = []
         for seq, token in zip(out.sequences, new_tokens):
-            seq.num_computed_tokens = seq.num_tokens  # everything fed this step is now cached
+            seq.num_computed_tokens += out.num_new_tokens(seq)  # everything fed this step is now cached
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a chunk of a longer prompt (chapter 08): no token is sampled until it is all computed
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now

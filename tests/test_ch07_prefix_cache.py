@@ -80,8 +80,20 @@ def test_only_full_blocks_are_cached():
     allocator.append(0)
     allocator.append(0)  # positions 6 and 7 fill the second block
     assert allocator.cache_full_blocks(0, [1, 2, 3, 4, 5, 6, 7, 8]) == 1, "the second block is full now: 1 new key"
-    assert allocator.cache_full_blocks(0, [1, 2, 3, 4, 5, 6, 7, 8, 99]) == 0, \
-        "calling again (with one extra sampled token not yet in the cache) must register nothing"
+    assert allocator.cache_full_blocks(0, [1, 2, 3, 4, 5, 6, 7, 8]) == 0, "calling again must register nothing"
+
+
+@pytest.mark.task(1)
+def test_only_computed_tokens_are_cached():
+    # A prompt computed in chunks (chapter 08): the blocks are allocated for all 12
+    # tokens, but only the computed ones may get keys.
+    allocator = pc().CachingBlockAllocator(num_blocks=4, block_size=4)
+    tokens = list(range(20, 32))
+    allocator.allocate_prefix(0, tokens)
+    got = [allocator.cache_full_blocks(0, tokens[:end]) for end in (3, 6, 12)]
+    assert got == [0, 1, 2], f"new keys after computing 3, 6 and 12 tokens: {got}, want [0, 1, 2]"
+    keyed = [allocator.block_key(b) is not None for b in allocator.block_table(0)]
+    assert keyed == [True, True, True], f"all three blocks are computed and full: keyed {keyed}"
 
 
 # ---- lookup at admission ------------------------------------------------------------------
@@ -334,8 +346,8 @@ def test_two_blocks_with_one_key_are_registered_once():
 def test_errors_name_what_was_wrong():
     allocator = pc().CachingBlockAllocator(num_blocks=4, block_size=4)
     allocator.allocate_prefix(0, [1, 2, 3, 4, 5])
-    with pytest.raises(ValueError, match="5.*4"):
-        allocator.cache_full_blocks(0, [1, 2, 3, 4])  # shorter than the 5 tokens it holds
+    with pytest.raises(ValueError, match="5.*6"):
+        allocator.cache_full_blocks(0, [1, 2, 3, 4, 5, 6])  # more than the 5 tokens it holds
     with pytest.raises(UnknownSequenceError, match="7"):
         allocator.cache_full_blocks(7, [1])
     allocator.cache_full_blocks(0, [1, 2, 3, 4, 5])

@@ -43,10 +43,11 @@ class CachingBlockAllocator(_GivenCachingBlockAllocator):
     """
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int]) -> int:
-        """Task 1: give seq_id's full blocks (of its first num_tokens(seq_id) tokens) their keys,
-        once their K/V are computed; return how many keys are new. Skip a block that has its key
-        already, and one whose key another block serves (it stays private). ValueError if
-        token_ids is shorter than what seq_id holds, or if a block already has a different key."""
+        """Task 1: token_ids are seq_id's tokens whose K/V are computed (all, or the first ones);
+        give the full blocks among them their keys and return how many keys are new. Skip a block
+        that has its key already, and one whose key another block serves (it stays private).
+        ValueError if token_ids is longer than what seq_id holds, or if a block already has a
+        different key."""
         raise NotImplementedError(
             "Chapter 7, task 1: CachingBlockAllocator.cache_full_blocks() — "
             "see chapters/07-prefix-caching/README.md#task-1")

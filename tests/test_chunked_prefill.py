@@ -1,0 +1,177 @@
+"""Chunked prefill (minicb/chunked_prefill.py): the same tokens as whole-prompt admission, in smaller steps.
+
+The oracle is chapter 06's engine, which admits each prompt whole (and which
+its own tests hold to chapter 01). With `enable_chunked_prefill=True` and any
+token budget, greedy outputs must be identical token for token: with and
+without prefix caching, on a pool that forces preemption, with n = 4, and with
+prompts far longer than the budget. The trace shows the budget at work: no step
+computes more than `max_num_batched_tokens`, and a long prompt is cut across
+steps while the running requests keep decoding in every one of them.
+"""
+import random
+
+import pytest
+
+from minicb import LLM, SamplingParams
+from minicb.chunked_prefill import chunk_size
+from minicb.model import random_model
+from minicb.naive import first_difference
+
+BUDGETS = [1, 7, 16, 64, 4096]
+SYSTEM = [(17 * i) % 200 + 3 for i in range(30)]  # a shared 30-token start, so the cache has work
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(seed=5)
+
+
+def prompts_for(seed: int, count: int = 12) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        head = SYSTEM[:rng.randint(0, 30)]  # some start alike, some not
+        prompts.append(head + [rng.randrange(3, 250) for _ in range(rng.randint(1, 40))])
+    return prompts
+
+
+def run(model, prompts, params, **engine):
+    llm = LLM.from_model(model, **{"block_size": 4, "max_num_seqs": 4, **engine})
+    return llm.generate(prompts, params, use_tqdm=False), llm
+
+
+def assert_same(outs, want, what):
+    for o, w in zip(outs, want):
+        for c, wc in zip(o.outputs, w.outputs):
+            assert c.token_ids == wc.token_ids, (f"{what}, prompt {o.index} completion {c.index}: "
+                                                 f"{first_difference(c.token_ids, wc.token_ids, ('chunked', 'whole'))}")
+
+
+def test_chunk_size():
+    got = [chunk_size(remaining, budget) for remaining, budget in [(10, 4), (3, 4), (5, 0), (0, 3)]]
+    assert got == [4, 3, 0, 0], f"chunk_size for (10, 4), (3, 4), (5, 0), (0, 3): {got}, want [4, 3, 0, 0]"
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_any_budget_gives_chapter06s_tokens(tiny, budget, caching):
+    prompts = prompts_for(0)  # up to 70 tokens: far longer than budgets 1, 7 and 16
+    params = SamplingParams(max_tokens=8)
+    want, _ = run(tiny, prompts, params)
+    outs, llm = run(tiny, prompts, params, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                    enable_prefix_caching=caching)
+    assert_same(outs, want, f"budget {budget}, caching {caching}")
+    biggest = max(t.num_tokens for t in llm.traces)
+    assert biggest <= budget, f"a step computed {biggest} tokens, over the budget of {budget}"
+    if caching:
+        assert sum(o.metrics.num_cached_tokens for o in outs) > 0, "prompts share a start: some should hit"
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_a_pool_that_forces_preemption_gives_the_same_tokens(tiny, budget, caching):
+    prompts = prompts_for(1, 16)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want, _ = run(tiny, prompts, params, num_blocks=64)
+    # 24 blocks of 4 for 4 slots of up to 77 tokens: requests are preempted and come back.
+    outs, llm = run(tiny, prompts, params, num_blocks=24, enable_chunked_prefill=True,
+                    max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    assert_same(outs, want, f"budget {budget}, caching {caching}, tight pool")
+    assert llm.engine.allocator.num_free_blocks == 24, "every block must be free at the end"
+    preemptions = sum(len(t.preempted) for t in llm.traces)
+    # With a budget of 1 the oldest request takes the one token of every step until it
+    # finishes, so only one request ever holds blocks, and nobody can be preempted.
+    assert (preemptions > 0) == (budget > 1), f"budget {budget}: {preemptions} preemptions"
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
+def test_a_request_preempted_mid_prefill_comes_back_with_the_same_tokens(tiny, caching):
+    # Three requests decode; a 40-token prompt is admitted into the last free blocks and,
+    # with 1 token of a budget of 4 left per step, is computed 1 token a step. The
+    # decodes soon need blocks, and the newest running request, the one still
+    # prefilling, is preempted. It comes back and must give chapter 06's tokens.
+    decoding, long_prompt = SamplingParams(max_tokens=30, ignore_eos=True), list(range(100, 140))
+    want, _ = run(tiny, [[5, 6, 7], [8, 6, 7], [9, 6, 7], long_prompt], [decoding] * 3 + [SamplingParams(max_tokens=6)],
+                  num_blocks=64)
+    llm = LLM.from_model(tiny, block_size=4, max_num_seqs=4, num_blocks=17, enable_chunked_prefill=True,
+                         max_num_batched_tokens=4, enable_prefix_caching=caching)
+    engine, finished, preempted = llm.engine, {}, []
+    preempt = engine.scheduler.preempt
+
+    def spy(seq):
+        preempted.append((seq.request_id, engine.scheduler.is_prefilling(seq), seq.num_computed_tokens))
+        preempt(seq)
+
+    engine.scheduler.preempt = spy
+    ids = [engine.add_request(p, decoding) for p in ([5, 6, 7], [8, 6, 7], [9, 6, 7])]
+    for _ in range(2):
+        engine.step()
+    ids.append(engine.add_request(long_prompt, SamplingParams(max_tokens=6)))
+    while engine.has_unfinished():
+        finished.update({seq.request_id: seq for seq in engine.step().finished})
+    assert any(rid == ids[3] and prefilling and 0 < computed < 40 for rid, prefilling, computed in preempted), (
+        f"the long prompt should be preempted part way through its prefill: preemptions "
+        f"(request, prefilling, tokens computed) {preempted}")
+    for i, rid in enumerate(ids):
+        got, expected = finished[rid].output_token_ids, want[i].token_ids
+        assert got == expected, f"request {i}: {first_difference(got, expected, ('chunked', 'whole'))}"
+    assert engine.allocator.num_free_blocks == 17, "every block must be free at the end"
+
+
+def test_n_4_and_seeded_sampling_match_whole_prompt_admission(tiny):
+    prompts = prompts_for(2, 4)
+    for params in (SamplingParams(max_tokens=9, n=4),
+                   SamplingParams(max_tokens=9, n=3, temperature=0.9, seed=11)):
+        want, _ = run(tiny, prompts, params, max_num_seqs=8)
+        outs, _ = run(tiny, prompts, params, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=5)
+        # A seeded completion draws from its generator only when a token is sampled,
+        # so chunking (which samples nothing for a prompt's early chunks) changes nothing.
+        assert_same(outs, want, f"{params}")
+
+
+def test_a_long_prompt_is_cut_while_the_others_keep_decoding(tiny):
+    llm = LLM.from_model(tiny, block_size=4, max_num_seqs=4, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    decoding = SamplingParams(max_tokens=40, ignore_eos=True)
+    short = [llm.engine.add_request([5 + i, 6, 7], decoding) for i in range(3)]
+    for _ in range(3):  # the three short prompts are computed, and start decoding
+        llm.engine.step()
+    long_id = llm.engine.add_request(list(range(10, 70)), SamplingParams(max_tokens=4))  # 60 tokens
+    traces = []
+    while True:
+        step = llm.engine.step()
+        traces.append(step.trace)
+        if any(rid == long_id for rid, _ in step.new_tokens):
+            break  # its first token: the prompt is done
+    prefill_steps = [t for t in traces if any(s.request_id == long_id and s.phase == "prefill" for s in t.slots)]
+    # 8 tokens a step, 3 of them for the decodes: the 60-token prompt takes 12 chunks of 5.
+    chunks = [next(s.num_tokens for s in t.slots if s.request_id == long_id) for t in prefill_steps]
+    assert chunks == [5] * 12, f"chunks of the long prompt per step: {chunks}, want 12 chunks of 5"
+    for t in prefill_steps:
+        phases = {s.request_id: s.phase for s in t.slots}
+        assert all(phases.get(rid) == "decode" for rid in short), (
+            f"step {t.step}: the running requests must decode while the long prompt is cut: {phases}")
+        assert t.num_tokens == 8, f"step {t.step} computed {t.num_tokens} tokens; the budget is 8"
+    sampled_early = [t.step for t in prefill_steps[:-1] if any(rid == long_id for rid, _ in t.new_tokens)]
+    assert not sampled_early, f"a token was sampled for the long prompt before its last chunk, at steps {sampled_early}"
+
+
+@pytest.mark.slow
+def test_smollm2_any_budget_gives_chapter06s_tokens(smollm2):
+    model, tokenizer, _ = smollm2
+    from minicb.bench.workloads import SYSTEM_PROMPT
+    from minicb.data import load_chat_prompts
+
+    # Two short chat prompts and one behind the bench's long system prompt (~200 tokens,
+    # far longer than most budgets here); the short ones share the chat template's start.
+    questions = load_chat_prompts(3)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions[:2]]
+    prompts.append(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                                  {"role": "user", "content": questions[2]}]))
+    params = SamplingParams(max_tokens=6)
+    want = LLM.from_model(model, tokenizer, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
+    for budget in BUDGETS:
+        for caching in (False, True):
+            llm = LLM.from_model(model, tokenizer, max_num_seqs=4, enable_chunked_prefill=True,
+                                 max_num_batched_tokens=budget, enable_prefix_caching=caching)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert_same(outs, want, f"SmolLM2, budget {budget}, caching {caching}")
