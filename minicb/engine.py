@@ -187,7 +187,11 @@ class Engine:
             forked = self._fork_completions(seqs, logits[0], out, tokens)
         else:
             forked = []
-        finished = self.scheduler.postprocess(out, tokens, time.perf_counter())
+        now = time.perf_counter()
+        for seq, token in zip(seqs, tokens):
+            if token is not None:
+                seq.token_times.append(now)  # for inter-token latency; postprocess appends the token
+        finished = self.scheduler.postprocess(out, tokens, now)
         for seq in finished:
             del self.requests[seq.request_id]  # handed out below; the engine keeps nothing
         self.num_steps += 1

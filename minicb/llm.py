@@ -30,6 +30,12 @@ class RequestMetrics:
     finish_time: float | None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (enable_prefix_caching)
+    token_times: list[float] = field(default_factory=list)  # when each output token was sampled, like the others
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Seconds between consecutive output tokens (ITL), len(token_times) - 1 of them."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
     @property
     def ttft(self) -> float | None:
@@ -240,6 +246,7 @@ class LLM:
             index=index, prompt_token_ids=list(first.prompt_token_ids), token_ids=outputs[0].token_ids,
             text=outputs[0].text, finish_reason=outputs[0].finish_reason,
             metrics=RequestMetrics(rel(first.arrival_time), rel(first.first_token_time), rel(first.finish_time),
-                                   first.num_preemptions, first.num_cached_tokens),
+                                   first.num_preemptions, first.num_cached_tokens,
+                                   [t - start for t in first.token_times]),
             outputs=outputs,
         )

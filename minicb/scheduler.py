@@ -63,6 +63,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     first_token_time: float | None = None  # when its first output token was sampled
+    token_times: list[float] = field(default_factory=list)  # when each output token was sampled (the engine stamps them)
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

@@ -54,6 +54,16 @@ def test_summarize_timings_by_hand():
     assert got["latency_p50_s"] == pytest.approx(3.0)
     assert got["ttft_mean_s"] == pytest.approx(0.5)
     assert got["tpot_mean_s"] == pytest.approx(0.5)  # (2 - 0.5) / 3; the 1-token request has no TPOT
+    assert got["itl_mean_s"] is None, "no request said when its tokens came: no ITL"
+
+
+def test_itl_pools_every_gap_between_tokens():
+    timings = [metrics.RequestTiming(0.0, 0.5, 2.0, 4, token_times=[0.5, 0.6, 0.7, 2.0]),  # gaps .1 .1 1.3
+               metrics.RequestTiming(1.0, 1.5, 1.5, 1, token_times=[1.5]),  # one token: no gap
+               metrics.RequestTiming(0.0, 0.2, 0.4, 2, token_times=[0.2, 0.4])]  # gap .2
+    got = metrics.summarize_timings(timings)
+    assert got["itl_mean_s"] == pytest.approx(1.7 / 4), f"4 gaps summing to 1.7 s: ITL mean {got['itl_mean_s']}"
+    assert got["itl_p99_s"] == pytest.approx(metrics.percentile([0.1, 0.1, 1.3, 0.2], 99))
 
 
 def test_static_batch_tokens_by_hand():

@@ -141,3 +141,20 @@ def test_one_stop_rule_for_every_reason():
                              f"tokens: want {want!r}, got {got!r}")
     ignoring = SamplingParams(max_tokens=5, ignore_eos=True)
     assert finish_reason(2, 1, ignoring, eos, 4, 100) is None, "ignore_eos must not stop at EOS"
+
+
+def test_token_times_stamp_every_output_token():
+    from minicb import LLM, SamplingParams
+    from minicb.model import random_model
+
+    llm = LLM.from_model(random_model(seed=3), block_size=4, max_num_seqs=2, enable_chunked_prefill=True,
+                         max_num_batched_tokens=4)
+    outs = llm.generate([[5, 6, 7, 8, 9, 10, 11], [12, 13]], SamplingParams(max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    for o in outs:
+        times = o.metrics.token_times
+        assert len(times) == len(o.token_ids) == 5, f"prompt {o.index}: {len(times)} stamps for {len(o.token_ids)} tokens"
+        assert times[0] == o.metrics.first_token_time and times[-1] == o.metrics.finish_time, (
+            f"prompt {o.index}: the first and last stamps must be the first-token and finish times: {times}, "
+            f"{o.metrics.first_token_time}, {o.metrics.finish_time}")
+        assert all(gap > 0 for gap in o.metrics.inter_token_latencies), f"prompt {o.index}: gaps {o.metrics.inter_token_latencies}"

@@ -49,6 +49,7 @@ class RequestTiming:
     first_token: float  # when the first output token existed (end of the forward that made it)
     finish: float  # when the last output token existed
     num_output_tokens: int  # including the EOS that ended the answer
+    token_times: list[float] | None = None  # when each output token existed; None if the engine cannot say
 
     @property
     def ttft(self) -> float:
@@ -68,6 +69,9 @@ def summarize_timings(timings: list[RequestTiming]) -> dict:
     wall = max(t.finish for t in timings) - min(t.arrival for t in timings)
     latencies = [t.latency for t in timings]
     tpots = [x for x in (tpot(t.latency, t.ttft, t.num_output_tokens) for t in timings) if x is not None]
+    # Inter-token latency: every gap between two consecutive tokens of a request, pooled.
+    # Its p99 is what a streaming reader feels when a long prefill stalls a step.
+    itls = [b - a for t in timings if t.token_times for a, b in zip(t.token_times, t.token_times[1:])]
     output_tokens = sum(t.num_output_tokens for t in timings)
     return {
         "requests": len(timings), "output_tokens": output_tokens, "wall_s": wall,
@@ -76,6 +80,8 @@ def summarize_timings(timings: list[RequestTiming]) -> dict:
         "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
         "ttft_mean_s": sum(t.ttft for t in timings) / len(timings),
         "tpot_mean_s": sum(tpots) / len(tpots) if tpots else None,
+        "itl_mean_s": sum(itls) / len(itls) if itls else None,
+        "itl_p99_s": percentile(itls, 99) if itls else None,
     }
 
 

@@ -29,7 +29,8 @@ def _fmt(value, spec: str, suffix: str = "", scale: float = 1.0) -> str:
 def markdown_table(rows: dict, num_requests: int) -> str:
     """One row per engine, as run_workload returns them; a number no engine could see reads n/a,
     and an engine that failed gets its error in the second cell (every row keeps the same cells)."""
-    header = ("| engine | out tok/s | req/s | latency mean | p50 | p99 | TTFT mean | TPOT mean | slot util | "
+    header = ("| engine | out tok/s | req/s | latency mean | p50 | p99 | TTFT mean | TPOT mean | ITL mean | "
+              "ITL p99 | slot util | "
               "busy slots | KV waste | prefill computed | prefix hits | vs hf-generate | vs minicb-static | "
               "same as continuous |")
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
@@ -43,6 +44,7 @@ def markdown_table(rows: dict, num_requests: int) -> str:
             _fmt(r["latency_mean_s"], ".2f", " s"), _fmt(r["latency_p50_s"], ".2f", " s"),
             _fmt(r["latency_p99_s"], ".2f", " s"), _fmt(r["ttft_mean_s"], ".2f", " s"),
             _fmt(r["tpot_mean_s"], ".1f", " ms", 1000),
+            _fmt(r.get("itl_mean_s"), ".1f", " ms", 1000), _fmt(r.get("itl_p99_s"), ".1f", " ms", 1000),
             _fmt(r["utilisation"], ".0f", "%", 100), _fmt(r.get("busy_slots"), ".0f", "%", 100),
             _fmt(r["kv_waste_pct"], ".0f", "%"), _fmt(r.get("prefill_tokens"), ",.0f"),
             _fmt(r.get("cache_hit_pct"), ".0f", "%"),

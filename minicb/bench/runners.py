@@ -122,7 +122,8 @@ def serve_in_batches(run_batch, requests: list[Request], arrivals: list[float] |
             for i, out in zip(batch, outs):
                 # Token k exists after forward k: stamps[0] is the first token, stamps[n - 1] the last.
                 tokens[i] = out
-                timings[i] = RequestTiming(arrivals[i], stamps[0] - start, stamps[len(out) - 1] - start, len(out))
+                timings[i] = RequestTiming(arrivals[i], stamps[0] - start, stamps[len(out) - 1] - start, len(out),
+                                           [stamp - start for stamp in stamps[:len(out)]])
             prompt_lens = [len(requests[i].prompt_ids) for i in batch]
             # A batch's row holds its prompt and its answer; everything else it computed or
             # reserved (padding, rows already finished, unused cache) is waste.
@@ -211,7 +212,7 @@ def run_minicb_continuous(llm, requests: list[Request], arrivals: list[float] | 
     outs = llm.generate([r.prompt_ids for r in requests], [r.params() for r in requests],
                         use_tqdm=progress, arrival_times=arrivals)
     timings = [RequestTiming(o.metrics.arrival_time, o.metrics.first_token_time, o.metrics.finish_time,
-                             len(o.token_ids)) for o in outs]
+                             len(o.token_ids), o.metrics.token_times) for o in outs]
     # Utilisation is 100% by construction (no padding, no finished rows); the table says so
     # anyway, because that is the difference from static batching. Busy slots show what is
     # left idle: slots stand empty once the queue runs dry.
@@ -262,7 +263,8 @@ def run_hf_continuous(hf_model, requests: list[Request], arrivals: list[float] |
                 raise RuntimeError("HF's continuous-batching thread stopped before every request finished")
     # Arrival is the scheduled time, as for the other engines: a late admission counts against HF.
     timings = [RequestTiming(arrivals[i], results[i].timestamps[0] - start,
-                             results[i].timestamps[-1] - start, len(results[i].generated_tokens))
+                             results[i].timestamps[-1] - start, len(results[i].generated_tokens),
+                             [stamp - start for stamp in results[i].timestamps])
                for i in range(len(requests))]
     return EngineResult([list(results[i].generated_tokens) for i in range(len(requests))], timings)
 
