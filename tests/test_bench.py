@@ -268,6 +268,8 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
     # Same weights, same greedy decoding, same ignore_eos: minicb's engines agree exactly.
     assert rows["minicb-naive"]["same_as_continuous"] == rows["minicb-static"]["same_as_continuous"] == 3
     assert rows["minicb-prefix-cache"]["same_as_continuous"] == 3, "prefix caching must not change greedy tokens"
+    assert rows["minicb-chunked"]["same_as_continuous"] == 3, "chunked prefill must not change greedy tokens"
+    assert rows["minicb-chunked"]["itl_p99_s"] is not None and rows["hf-generate"]["itl_mean_s"] is not None
     # Random prompts share no prefix: the paged engines compute every prompt token, the
     # cache serves none, and engines that cannot see inside say n/a.
     assert rows["minicb-continuous"]["cache_hit_pct"] == rows["minicb-prefix-cache"]["cache_hit_pct"] == 0
@@ -296,3 +298,15 @@ def test_shared_prefix_requests_share_the_system_prompt_and_resend_turns():
     resent = [i for i, r in enumerate(requests)
               if any(r.prompt_ids[j:j + len(answer)] == answer for j in range(len(r.prompt_ids)))]
     assert resent == [2, 5], f"every third request should resend an earlier turn; these do: {resent}"
+
+
+def test_long_prompt_requests_mix_long_documents_into_chat():
+    from minicb.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    requests = workloads.long_prompt_requests(tokenizer, 8, max_tokens=32)
+    lengths = [len(r.prompt_ids) for r in requests]
+    long_ones = [i for i, n in enumerate(lengths) if n >= 1000]
+    assert long_ones == [3, 7], f"every 4th prompt should be 1,000+ tokens: lengths {lengths}"
+    assert requests[3].prompt_ids != requests[7].prompt_ids, "the long prompts should differ"
+    assert [r.max_tokens for r in requests] == [32, 32, 32, 16] * 2, "long prompts get 16 new tokens at most"

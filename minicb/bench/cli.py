@@ -44,7 +44,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--hf-batch", type=int, default=16, help="batch size of hf-generate")
     ap.add_argument("--block-size", type=int, default=16, help="KV block size (minicb) and page size (HF)")
     ap.add_argument("--attention", default="torch", choices=["torch", "triton"])
-    ap.add_argument("--rate", type=float, default=1.0, help="poisson workload: requests per second")
+    ap.add_argument("--rate", type=float, default=1.0,
+                    help="poisson, shared-prefix and long-prompt workloads: requests per second")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256,
+                    help="minicb-chunked: tokens a step computes at most (the token budget)")
     ap.add_argument("--random-max-prompt", type=int, default=256, help="random workload: longest prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,
@@ -121,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             return LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
                                   block_size=args.block_size, num_blocks=num_blocks, enable_prefix_caching=True)
 
+        def chunked_llm():
+            return LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
+                                  block_size=args.block_size, num_blocks=num_blocks, enable_chunked_prefill=True,
+                                  max_num_batched_tokens=args.max_num_batched_tokens)
+
         engines = {
             "minicb-naive": lambda reqs, arr, progress: serve_in_batches(
                 minicb_batch_runner(model, static=False), reqs, arr, 1, "minicb-naive", progress),
@@ -128,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 minicb_batch_runner(model, static=True), reqs, arr, args.slots, "minicb-static", progress),
             "minicb-continuous": lambda reqs, arr, progress: run_minicb_continuous(llm, reqs, arr, progress),
             "minicb-prefix-cache": lambda reqs, arr, progress: run_minicb_continuous(cached_llm(), reqs, arr, progress),
+            "minicb-chunked": lambda reqs, arr, progress: run_minicb_continuous(chunked_llm(), reqs, arr, progress),
             "hf-generate": lambda reqs, arr, progress: serve_in_batches(
                 hf_batch_runner(hf("hf-generate"), eos_id), reqs, arr, args.hf_batch, "hf-generate", progress),
             "hf-generate-batch": lambda reqs, arr, progress: run_hf_continuous(

@@ -20,6 +20,9 @@ The engines:
     minicb-continuous  chapter 06: paged KV, --slots rows refilled every step
     minicb-prefix-cache  the same, with prefix caching on (minicb/prefix_cache.py); not in the
                        default set: name it, e.g. for --workload shared-prefix
+    minicb-chunked     minicb-continuous with chunked prefill, --max-num-batched-tokens a step
+                       (minicb/chunked_prefill.py); not in the default set: name it, e.g. for
+                       --workload long-prompt
     hf-generate        transformers `generate()` on left-padded batches of --hf-batch
     hf-generate-batch  transformers' own continuous batching (the manager behind `generate_batch`)
 
@@ -47,9 +50,9 @@ from minicb.naive import first_difference, generate_with_cache
 from minicb.static_batching import run_static
 from minicb.viz import summarize
 
-ENGINES = ("minicb-naive", "minicb-static", "minicb-continuous", "minicb-prefix-cache", "hf-generate",
-           "hf-generate-batch")
-DEFAULT_ENGINES = tuple(e for e in ENGINES if e != "minicb-prefix-cache")
+ENGINES = ("minicb-naive", "minicb-static", "minicb-continuous", "minicb-prefix-cache", "minicb-chunked",
+           "hf-generate", "hf-generate-batch")
+DEFAULT_ENGINES = tuple(e for e in ENGINES if e not in ("minicb-prefix-cache", "minicb-chunked"))
 
 
 # ----------------------------------------------------------------------------

@@ -12,6 +12,10 @@ is prompt token ids, its own output budget, and whether EOS ends it:
              request a conversation that resends an earlier turn, arriving as the
              poisson workload's do: the traffic prefix caching is for (compare
              minicb-continuous with minicb-prefix-cache).
+    long-prompt  chat requests decoding while long prompts (1,000+ tokens: the chat
+             prompts' questions pasted together) arrive, one every few requests, at
+             --rate: the traffic chunked prefill is for (compare minicb-continuous
+             with minicb-chunked, and read the ITL p99).
 
 Each is seeded (--seed), so every engine sees exactly the same requests.
 
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 from minicb.sampling import SamplingParams
 
-WORKLOADS = ("chat", "random", "poisson", "shared-prefix")
+WORKLOADS = ("chat", "random", "poisson", "shared-prefix", "long-prompt")
 
 # The shared-prefix workload's system prompt: long, as deployed assistants' are.
 SYSTEM_PROMPT = (
@@ -77,6 +81,33 @@ def shared_prefix_requests(tokenizer, num_prompts: int, max_tokens: int) -> list
     return requests
 
 
+def long_prompt_requests(tokenizer, num_prompts: int, max_tokens: int, every: int = 4,
+                         min_len: int = 1000) -> list[Request]:
+    """Chat requests; every `every`-th one is a long document to summarise instead: the bundled
+    questions pasted together until the prompt has at least min_len tokens, a different
+    stretch of them each time. Long prompts get 16 new tokens at most: they are here to
+    prefill, and the short requests around them to decode."""
+    from minicb.data import load_chat_prompts
+
+    questions = load_chat_prompts(None)
+    requests = []
+    for i in range(num_prompts):
+        if i % every == every - 1:
+            parts, k = [], i
+            while True:
+                parts.append(questions[k % len(questions)])
+                k += 1
+                prompt = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "Summarise these questions:\n" + "\n".join(parts)}])
+                if len(prompt) >= min_len:
+                    break
+            requests.append(Request(prompt, min(max_tokens, 16)))
+        else:
+            requests.append(Request(tokenizer.apply_chat_template(
+                [{"role": "user", "content": questions[i % len(questions)]}]), max_tokens))
+    return requests
+
+
 def random_requests(vocab_size: int, num_prompts: int, max_tokens: int, max_prompt_len: int,
                     seed: int) -> list[Request]:
     """Uniform prompt lengths in [8, max_prompt_len]; output lengths lognormal with median
@@ -114,10 +145,15 @@ def build_requests(workload: str, args, tokenizer, vocab_size: int) -> tuple[lis
         shared = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
         description = (f"{len(requests)} chat prompts sharing their first {shared} tokens (the system prompt), every third a "
                        f"resent conversation; greedy, EOS or {args.max_tokens} tokens")
+    elif workload == "long-prompt":
+        requests = long_prompt_requests(tokenizer, args.num_prompts, args.max_tokens)
+        longest = max(len(r.prompt_ids) for r in requests)
+        description = (f"{len(requests)} chat prompts, every 4th a long one ({longest} tokens at most, 16 new "
+                       f"tokens), greedy, EOS or {args.max_tokens} tokens")
     else:
         requests = chat_requests(tokenizer, args.num_prompts, args.max_tokens)
         description = f"{len(requests)} chat prompts, greedy, EOS or {args.max_tokens} tokens"
-    if workload not in ("poisson", "shared-prefix"):
+    if workload not in ("poisson", "shared-prefix", "long-prompt"):
         return requests, None, description
     # Shared-prefix traffic arrives over time too: a request can only hit what an
     # earlier one has finished computing, and requests admitted in the same step
