@@ -34,7 +34,96 @@ admits prompts whole, stays the default for comparison.
 """
 from __future__ import annotations
 
+import math
+
+import torch
+
 from minicb.scheduler import RequestStatus, Scheduler, SchedulerOutput, Sequence
+
+# ---- the causal mask of a chunk ------------------------------------------------------
+#
+# A chunk is q_len new tokens at the END of a context of context_len tokens (the
+# earlier chunks, and any cached prefix, are already in the KV cache). New token r
+# sits at position context_len - q_len + r and sees every key at a position <= its own:
+#
+#     context_len 7, q_len 3 (positions 4, 5, 6 are new)      keys 0 1 2 3 4 5 6
+#         new token 0 = position 4                                 x x x x x . .
+#         new token 1 = position 5                                 x x x x x x .
+#         new token 2 = position 6                                 x x x x x x x
+#
+# A whole prompt is the case q_len = context_len (the usual lower triangle); a
+# decode is q_len = 1 (one row that sees everything).
+
+
+def _check_lengths(q_len, context_len) -> None:
+    for name, value in (("q_len", q_len), ("context_len", context_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if q_len > context_len:
+        raise ValueError(f"q_len={q_len} new tokens cannot follow from a context of context_len={context_len}; "
+                         f"the new tokens are the last q_len of the context, so q_len <= context_len")
+
+
+def offset_causal_mask(q_len: int, context_len: int, device=None) -> torch.Tensor:
+    """[q_len, context_len] bool: True where new token r may attend to key position j."""
+    _check_lengths(q_len, context_len)
+    positions = torch.arange(context_len - q_len, context_len, device=device)  # [q_len] the new tokens' positions
+    keys = torch.arange(context_len, device=device)  # [context_len]
+    return keys[None, :] <= positions[:, None]
+
+
+def _check_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"want q [q_len, n_heads, head_dim] and k, v [context_len, n_kv_heads, head_dim] of one "
+                         f"shape; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"head_dim must match ({q.shape[2]} vs {k.shape[2]}) and n_heads ({q.shape[1]}) must be "
+                         f"a multiple of n_kv_heads ({k.shape[1]})")
+    _check_lengths(q.shape[0], k.shape[0])
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention of a chunk's new tokens to the whole context so far, in PyTorch.
+
+    q [q_len, n_heads, head_dim]: the new tokens' queries (the last q_len positions).
+    k, v [context_len, n_kv_heads, head_dim]: every position's keys and values, the
+    new tokens' included. Returns [q_len, n_heads, head_dim]. GQA: query head h
+    reads KV head h // (n_heads // n_kv_heads).
+    """
+    _check_chunk(q, k, v)
+    q_len, n_heads, head_dim = q.shape
+    group = n_heads // k.shape[1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    keys = k.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [n_heads, context_len, head_dim]
+    values = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+    scores = (q.transpose(0, 1).float() @ keys.transpose(1, 2)) * scale  # [n_heads, q_len, context_len]
+    scores = scores.masked_fill(~offset_causal_mask(q_len, k.shape[0], q.device), float("-inf"))
+    out = scores.softmax(-1) @ values  # [n_heads, q_len, head_dim]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def chunk_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           scale: float | None = None) -> torch.Tensor:
+    """chunk_attention in Triton: the same shapes and the same answer.
+
+    The reference hands the chunk to the query-tile kernel of minicb/tile_attention.py,
+    whose programs apply the same offset causal mask to a tile of new tokens: the
+    context becomes a pool of ONE block of context_len tokens, with block table [[0]].
+    (The exercise asks for a kernel of your own over dense K/V.)
+    """
+    from minicb import tile_attention  # here: importing it imports triton, which the scheduler never needs
+
+    _check_chunk(q, k, v)
+    q_len, context_len = q.shape[0], k.shape[0]
+    if q_len == 0:
+        return q.clone()
+    int32 = dict(dtype=torch.int32, device=q.device)
+    return tile_attention.paged_attention_tiles(
+        q.contiguous(), k[None].contiguous(), v[None].contiguous(), torch.zeros(1, 1, **int32),
+        torch.tensor([context_len], **int32), torch.tensor([0, q_len], **int32), scale)
+
+
+# ---- the scheduler ------------------------------------------------------------------------
 
 
 def chunk_size(num_remaining: int, budget: int) -> int:

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 import torch
 
 from minicb import impl
-from minicb.chunked_prefill import ChunkedScheduler
 from minicb.model import Model
 from minicb.paged_attention import KVPool
 from minicb.paged_model import AttentionMetadata, PagedAttention, attention_kernels
@@ -102,7 +101,8 @@ class Engine:
             allocator = impl.load("block_allocator").BlockAllocator(num_blocks, ec.block_size)
         scheduling = impl.load("scheduler")
         self.Sequence = scheduling.Sequence
-        Scheduler = ChunkedScheduler if ec.enable_chunked_prefill else scheduling.Scheduler
+        Scheduler = (impl.load("chunked_prefill").ChunkedScheduler if ec.enable_chunked_prefill
+                     else scheduling.Scheduler)
         self.scheduler = Scheduler(
             allocator, ec.max_num_seqs, cfg.max_position_embeddings, cfg.eos_token_ids,
             ec.max_num_batched_tokens, ec.watermark)

@@ -44,6 +44,7 @@ CHAPTERS: dict[str, tuple[int, str]] = {
     "triton_attention": (5, "05-triton-attention"),
     "scheduler": (6, "06-continuous-batching"),
     "prefix_cache": (7, "07-prefix-caching"),
+    "chunked_prefill": (8, "08-chunked-prefill"),
 }
 
 

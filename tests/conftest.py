@@ -98,6 +98,12 @@ TASK_FUNCTIONS = {
         3: ["CachingBlockAllocator.evict", "CachingBlockAllocator.free"],
         4: ["CachingBlockAllocator.append"],
     },
+    "chunked_prefill": {
+        1: ["ChunkedScheduler.schedule_running"],
+        2: ["chunk_size", "ChunkedScheduler.admit_chunks"],
+        3: ["offset_causal_mask", "chunk_attention"],
+        4: ["chunk_attention_triton"],
+    },
 }
 
 

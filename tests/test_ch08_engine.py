@@ -1,4 +1,4 @@
-"""Chunked prefill (minicb/chunked_prefill.py): the same tokens as whole-prompt admission, in smaller steps.
+"""Chapter 08 in the engine: chunked prefill gives the same tokens as whole-prompt admission, in smaller steps.
 
 The oracle is chapter 06's engine, which admits each prompt whole (and which
 its own tests hold to chapter 01). With `enable_chunked_prefill=True` and any
@@ -7,16 +7,20 @@ without prefix caching, on a pool that forces preemption, with n = 4, and with
 prompts far longer than the budget. The trace shows the budget at work: no step
 computes more than `max_num_batched_tokens`, and a long prompt is cut across
 steps while the running requests keep decoding in every one of them.
+
+Each test grades one task, with the reference standing in for the other (the
+one_task fixture in conftest.py). Run against your own code with `python -m minicb check 8`.
 """
 import random
 
 import pytest
 
-from minicb import LLM, SamplingParams
-from minicb.chunked_prefill import chunk_size
+from minicb import LLM, SamplingParams, impl
 from minicb.model import random_model
 from minicb.naive import first_difference
 
+GRADED_MODULE = "chunked_prefill"  # the one_task fixture (conftest.py) grades one task at a time
+pytestmark = pytest.mark.usefixtures("one_task")
 BUDGETS = [1, 7, 16, 64, 4096]
 SYSTEM = [(17 * i) % 200 + 3 for i in range(30)]  # a shared 30-token start, so the cache has work
 
@@ -47,11 +51,14 @@ def assert_same(outs, want, what):
                                                  f"{first_difference(c.token_ids, wc.token_ids, ('chunked', 'whole'))}")
 
 
+@pytest.mark.task(2)
 def test_chunk_size():
+    chunk_size = impl.load("chunked_prefill").chunk_size
     got = [chunk_size(remaining, budget) for remaining, budget in [(10, 4), (3, 4), (5, 0), (0, 3)]]
     assert got == [4, 3, 0, 0], f"chunk_size for (10, 4), (3, 4), (5, 0), (0, 3): {got}, want [4, 3, 0, 0]"
 
 
+@pytest.mark.task(1)
 @pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_any_budget_gives_chapter06s_tokens(tiny, budget, caching):
@@ -67,6 +74,7 @@ def test_any_budget_gives_chapter06s_tokens(tiny, budget, caching):
         assert sum(o.metrics.num_cached_tokens for o in outs) > 0, "prompts share a start: some should hit"
 
 
+@pytest.mark.task(1)
 @pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
 @pytest.mark.parametrize("budget", [1, 7, 64])
 def test_a_pool_that_forces_preemption_gives_the_same_tokens(tiny, budget, caching):
@@ -84,6 +92,7 @@ def test_a_pool_that_forces_preemption_gives_the_same_tokens(tiny, budget, cachi
     assert (preemptions > 0) == (budget > 1), f"budget {budget}: {preemptions} preemptions"
 
 
+@pytest.mark.task(1)
 @pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
 def test_a_request_preempted_mid_prefill_comes_back_with_the_same_tokens(tiny, caching):
     # Three requests decode; a 40-token prompt is admitted into the last free blocks and,
@@ -118,6 +127,7 @@ def test_a_request_preempted_mid_prefill_comes_back_with_the_same_tokens(tiny, c
     assert engine.allocator.num_free_blocks == 17, "every block must be free at the end"
 
 
+@pytest.mark.task(2)
 def test_n_4_and_seeded_sampling_match_whole_prompt_admission(tiny):
     prompts = prompts_for(2, 4)
     for params in (SamplingParams(max_tokens=9, n=4),
@@ -129,6 +139,7 @@ def test_n_4_and_seeded_sampling_match_whole_prompt_admission(tiny):
         assert_same(outs, want, f"{params}")
 
 
+@pytest.mark.task(1)
 def test_a_long_prompt_is_cut_while_the_others_keep_decoding(tiny):
     llm = LLM.from_model(tiny, block_size=4, max_num_seqs=4, enable_chunked_prefill=True, max_num_batched_tokens=8)
     decoding = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -156,6 +167,7 @@ def test_a_long_prompt_is_cut_while_the_others_keep_decoding(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.task("all")
 def test_smollm2_any_budget_gives_chapter06s_tokens(smollm2):
     model, tokenizer, _ = smollm2
     from minicb.bench.workloads import SYSTEM_PROMPT
@@ -175,3 +187,30 @@ def test_smollm2_any_budget_gives_chapter06s_tokens(smollm2):
                                  max_num_batched_tokens=budget, enable_prefix_caching=caching)
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert_same(outs, want, f"SmolLM2, budget {budget}, caching {caching}")
+
+
+@pytest.mark.task(2)
+def test_a_new_prompt_is_cut_to_what_the_decodes_leave(tiny):
+    llm = LLM.from_model(tiny, block_size=4, max_num_seqs=5, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    engine, decoding = llm.engine, SamplingParams(max_tokens=30, ignore_eos=True)
+    for i in range(3):
+        engine.add_request([5 + i, 6, 7], decoding)
+    engine.step()  # admits the three 3-token prompts: 9 tokens > 8, so the third gets a chunk of 2
+    first = {s.request_id: s.num_tokens for s in engine.traces[-1].slots if s.phase == "prefill"}
+    assert first == {0: 3, 1: 3, 2: 2}, f"first step, budget 8: chunks {first}, want {{0: 3, 1: 3, 2: 2}}"
+    engine.step()  # 0 and 1 decode, 2 finishes its prompt: 3 tokens
+    new = engine.add_request(list(range(20, 40)), SamplingParams(max_tokens=3))
+    engine.step()  # 3 decodes, then the new 20-token prompt gets the 5 tokens left
+    trace = engine.traces[-1]
+    got = {s.request_id: (s.phase, s.num_tokens) for s in trace.slots if s.request_id is not None}
+    assert got.get(new) == ("prefill", 5) and trace.admitted == [new], (
+        f"3 decodes leave 5 of 8 tokens: the new prompt's first chunk should be 5; step: {got}")
+    llm_small = LLM.from_model(tiny, block_size=4, max_num_seqs=5, enable_chunked_prefill=True,
+                               max_num_batched_tokens=3)
+    for i in range(3):
+        llm_small.engine.add_request([5 + i], decoding)
+    llm_small.engine.step()
+    llm_small.engine.add_request([9, 9, 9], decoding)
+    llm_small.engine.step()  # the 3 decodes spend the whole budget: nobody is admitted
+    assert llm_small.engine.traces[-1].admitted == [], (
+        f"with no budget left, admission must wait: admitted {llm_small.engine.traces[-1].admitted}")
