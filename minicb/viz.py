@@ -15,7 +15,8 @@ Static batching shows up as long grey runs of wasted rows that wait for the
 slowest request of the batch; continuous batching shows slots that are refilled
 the step after they are freed. Chapters 02, 06 and 07 use these pictures.
 
-Try it:  python -m minicb demo   (or open notebooks/06-continuous-batching.ipynb)
+Try it:  python -m minicb demo   (or open notebooks/06-continuous-batching.ipynb;
+         notebooks/07-prefix-caching.ipynb shows shared and cached blocks)
 
 Only the standard library is imported at module level: matplotlib and ipywidgets
 are imported inside the functions that need them, so `import minicb.viz` is
