@@ -6,14 +6,17 @@ What you will learn: how to *see* a batching policy. Each engine returns one
 - `timeline_text`: a slot timeline for the terminal (rows = slots, columns = steps);
 - `plot_timeline`, `plot_block_map`, `plot_side_by_side`: the same as matplotlib figures,
   plus the map of physical KV blocks and static vs continuous one above the other;
+  with prefix caching or n > 1 the block map also tells shared blocks (hatched) and
+  free blocks that keep their K/V for reuse (pale blue, "c") from the rest;
 - `StepPlayer`: a Jupyter widget with a play button that steps through a run;
 - `summarize`: the numbers behind the pictures (utilisation, evictions, refills, ...).
 
 Static batching shows up as long grey runs of wasted rows that wait for the
 slowest request of the batch; continuous batching shows slots that are refilled
-the step after they are freed. Chapters 02 and 06 use these pictures.
+the step after they are freed. Chapters 02, 06 and 07 use these pictures.
 
-Try it:  python -m minicb demo   (or open notebooks/06-continuous-batching.ipynb)
+Try it:  python -m minicb demo   (or open notebooks/06-continuous-batching.ipynb;
+         notebooks/07-prefix-caching.ipynb shows shared and cached blocks)
 
 Only the standard library is imported at module level: matplotlib and ipywidgets
 are imported inside the functions that need them, so `import minicb.viz` is
@@ -50,6 +53,10 @@ _MARKER_MEANING = {
 _PRIORITY = ("preempt", "stop", "length", "refill")
 _GREY = (0.78, 0.78, 0.78)  # wasted rows
 _WHITE = (1.0, 1.0, 1.0)  # empty slots, free blocks
+# Prefix caching: a free block whose K/V is kept for reuse. Pale, so it reads as free;
+# no request colour is this light (theirs have saturation 0.6).
+_CACHED_TINT = (0.84, 0.91, 0.98)
+_SHARED_HATCH = "////"  # a block held by more than one request
 
 
 def request_symbol(request_id: int, prefill: bool = False) -> str:
@@ -328,14 +335,40 @@ def plot_timeline(traces: list[StepTrace], ax=None, title: str | None = None, *,
     return ax.figure
 
 
-def plot_block_map(trace: StepTrace, ax=None):
-    """The physical KV blocks after one step, coloured by owning request; free blocks are white."""
+def _block_map_legend(ax, trace: StepTrace) -> None:
+    from matplotlib.patches import Patch
+
+    sample = next((owner for owner in trace.block_owners if owner is not None), 0)
+    handles = [Patch(facecolor=request_color(sample), edgecolor="0.6", label="held by one request"),
+               Patch(facecolor=request_color(sample), edgecolor="black", hatch=_SHARED_HATCH,
+                     label="shared: held by 2+\n(a common prefix, n > 1)"),
+               Patch(facecolor=_CACHED_TINT, edgecolor="0.6", label="free, K/V kept (c):\nevictable, reusable"),
+               Patch(facecolor=_WHITE, edgecolor="0.6", label="free")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+
+
+def plot_block_map(trace: StepTrace, ax=None, *, legend: bool | None = None):
+    """The physical KV blocks after one step, coloured by owning request; free blocks are white.
+
+    Prefix caching and parallel sampling add two kinds of block, drawn apart:
+    - shared (trace.shared_blocks, ref count > 1): hatched, in a black outline,
+      coloured by the lowest request id holding it;
+    - free but cached (trace.cached_free_blocks): pale blue with a "c", as in
+      `python -m minicb.prefix_cache`; it counts as free, yet its K/V wait for
+      a request with the same prefix until the block is evicted.
+    `legend`: None shows one only when the trace has such blocks, so a trace
+    without them draws exactly as before.
+    """
     import numpy as np
-    from matplotlib.collections import LineCollection
+    from matplotlib.collections import LineCollection, PatchCollection
+    from matplotlib.patches import Rectangle
 
     num_blocks = trace.num_blocks
+    cached, shared = set(trace.cached_free_blocks), set(trace.shared_blocks)
+    if legend is None:
+        legend = bool(cached or shared)
     if ax is None:
-        _, ax = _new_figure(True, figsize=(7, 3))
+        _, ax = _new_figure(True, figsize=(9.5 if legend else 7, 3))
     if num_blocks == 0:  # the contiguous-cache engines (chapters 01-02) have no block pool
         ax.text(0.5, 0.5, "no paged KV pool in this trace\n(contiguous cache: num_blocks = 0)",
                 ha="center", va="center", transform=ax.transAxes)
@@ -345,30 +378,52 @@ def plot_block_map(trace: StepTrace, ax=None):
     if len(trace.block_owners) != num_blocks:
         raise ValueError(f"step {trace.step}: block_owners has {len(trace.block_owners)} entries "
                          f"but num_blocks is {num_blocks}; they must match")
+    for name, blocks in (("cached_free_blocks", cached), ("shared_blocks", shared)):
+        if any(not 0 <= block < num_blocks for block in blocks):
+            raise ValueError(f"step {trace.step}: {name} {sorted(blocks)} names blocks outside 0..{num_blocks - 1}")
 
     # A wide grid (about 4 columns per row) reads better beside a timeline than a square.
     cols = min(num_blocks, max(8, int(np.ceil(np.sqrt(4 * num_blocks)))))
     rows = -(-num_blocks // cols)
     rgba = np.zeros((rows, cols, 4))  # cells past the last block stay transparent
     for block, owner in enumerate(trace.block_owners):
-        rgba[block // cols, block % cols] = (*(_WHITE if owner is None else request_color(owner)), 1.0)
+        fill = request_color(owner) if owner is not None else _CACHED_TINT if block in cached else _WHITE
+        rgba[block // cols, block % cols] = (*fill, 1.0)
     ax.imshow(rgba, interpolation="nearest", extent=(-0.5, cols - 0.5, rows - 0.5, -0.5))
     # One outline per block (one collection, so thousands of blocks stay cheap to draw).
     corners = [(-0.5, -0.5), (0.5, -0.5), (0.5, 0.5), (-0.5, 0.5), (-0.5, -0.5)]
     outlines = [[(c + dx, r + dy) for dx, dy in corners]
                 for r, c in (divmod(block, cols) for block in range(num_blocks))]
     ax.add_collection(LineCollection(outlines, colors="0.6", linewidths=0.6))
-    if num_blocks <= 128:  # the request's letter, as in the text timeline
+    if shared:  # hatch and a dark frame on top of the owner's colour; one collection again
+        squares = [Rectangle((block % cols - 0.5, block // cols - 0.5), 1, 1) for block in sorted(shared)]
+        hatched = PatchCollection(squares, facecolor="none", edgecolor="0.15", hatch=_SHARED_HATCH,
+                                  linewidths=1.2, zorder=2)
+        hatched.set_gid("minicb-shared-blocks")
+        ax.add_collection(hatched)
+    if num_blocks <= 128:  # the request's letter, as in the text timeline; "c" as in prefix_cache's demo
         for block, owner in enumerate(trace.block_owners):
             if owner is not None:
                 ax.text(block % cols, block // cols, request_symbol(owner, prefill=True),
-                        ha="center", va="center", fontsize=7)
+                        ha="center", va="center", fontsize=7, zorder=3,
+                        bbox=dict(boxstyle="square,pad=0.15", facecolor=request_color(owner), linewidth=0)
+                        if block in shared else None)  # the hatch must not cross out the letter
+            elif block in cached:
+                ax.text(block % cols, block // cols, "c", ha="center", va="center", fontsize=7,
+                        color="0.35", gid="minicb-cached-free-block")
     ax.set_xticks([])
     ax.set_yticks([])
     for spine in ax.spines.values():  # the block outlines are the frame; a box would enclose non-blocks
         spine.set_visible(False)
     ax.set_xlabel(f"block id = row x {cols} + column")
-    ax.set_title(f"KV blocks after step {trace.step}: {trace.num_free_blocks} of {num_blocks} free")
+    title = f"KV blocks after step {trace.step}: {trace.num_free_blocks} of {num_blocks} free"
+    if cached:
+        title += f" ({len(cached)} of them cached)"
+    if shared:
+        title += f", {len(shared)} shared"
+    ax.set_title(title)
+    if legend:
+        _block_map_legend(ax, trace)
     return ax.figure
 
 
@@ -406,6 +461,10 @@ class StepPlayer:
 
     `player.step = k` (or dragging the slider, or Play) shows step k; `player.state()`
     returns what is on screen as plain data, for tests and for reading along.
+
+    With prefix caching, each request's chip in the queues says how many of its
+    prompt tokens came from the cache ("E r4 · 160 cached"), and the block map
+    marks shared and cached-free blocks (see plot_block_map).
     """
 
     def __init__(self, traces: list[StepTrace], static_traces: list[StepTrace] | None = None):
@@ -418,6 +477,9 @@ class StepPlayer:
         # The slider spans the longer run; the shorter one stays on its last step.
         last = max(len(self.traces), len(self.static_traces or [])) - 1
         self._frames: dict[tuple[str, int], bytes] = {}  # (picture, trace index) -> PNG
+        # One legend for every block map frame of a run that has shared or cached blocks,
+        # so the grid does not jump when the first such block appears.
+        self._block_legend = any(t.shared_blocks or t.cached_free_blocks for t in self.traces)
 
         self.play = widgets.Play(min=0, max=last, step=1, interval=400, description="play")
         self.slider = widgets.IntSlider(min=0, max=last, value=0, description="step")
@@ -455,6 +517,15 @@ class StepPlayer:
     def _index(self) -> int:
         return min(self.slider.value, len(self.traces) - 1)
 
+    def _cached_tokens(self, index: int) -> dict[int, int]:
+        """request id -> prompt tokens it got from the prefix cache, for each request admitted
+        in steps 0..index. A preempted request is admitted again, and may find more (or
+        less) cached then: the latest admission's count is the one that holds its blocks."""
+        cached: dict[int, int] = {}
+        for trace in self.traces[:index + 1]:
+            cached.update(trace.cached_tokens)
+        return cached
+
     def state(self) -> dict:
         """What the player shows at the current step, as plain data."""
         index = self._index()
@@ -469,6 +540,9 @@ class StepPlayer:
             "finished": [rid for t in self.traces[:index + 1] for rid, _ in t.finished],
             "num_free_blocks": trace.num_free_blocks,
             "block_owners": list(trace.block_owners),
+            "shared_blocks": list(trace.shared_blocks),
+            "cached_free_blocks": list(trace.cached_free_blocks),  # the next to be evicted first
+            "cached_tokens": self._cached_tokens(index),  # admitted so far: rid -> prompt tokens from the cache
         }
 
     def _frame(self, picture: str, index: int) -> bytes:
@@ -479,9 +553,10 @@ class StepPlayer:
             # A bare Figure (no pyplot): nothing is registered globally, nothing shows twice.
             # Fixed margins instead of a layout engine: layout would double the time per frame.
             if picture == "block":
-                fig = Figure(figsize=(7, 2.6), dpi=80)
-                fig.subplots_adjust(left=0.03, right=0.97, bottom=0.12, top=0.86)
-                plot_block_map(self.traces[index], ax=fig.add_subplot())
+                # A legend needs room on the right: the figure grows, the grid keeps its size.
+                fig = Figure(figsize=(9.2 if self._block_legend else 7, 2.6), dpi=80)
+                fig.subplots_adjust(left=0.03, right=0.74 if self._block_legend else 0.97, bottom=0.12, top=0.86)
+                plot_block_map(self.traces[index], ax=fig.add_subplot(), legend=self._block_legend)
             else:
                 traces = self.static_traces if picture == "static" else self.traces
                 name = ("static batching" if picture == "static"
@@ -503,14 +578,18 @@ class StepPlayer:
     def _queues_html(self) -> str:
         state = self.state()
         trace = self.traces[self._index()]
+        cached = state["cached_tokens"]
 
         def chips(request_ids):
-            # "A r0": the letter the timeline and the block map draw, beside the request id.
+            # "A r0": the letter the timeline and the block map draw, beside the request id;
+            # "· 160 cached" after it when its (latest) admission found prompt tokens in the cache.
             if not request_ids:
                 return "<i>none</i>"
             return " ".join(
                 f"<span style='background:#{''.join(f'{round(c * 255):02x}' for c in request_color(rid))};"
-                f"padding:0 3px;border-radius:3px'>{request_symbol(rid, prefill=True)}&nbsp;r{rid}</span>"
+                f"padding:0 3px;border-radius:3px'>{request_symbol(rid, prefill=True)}&nbsp;r{rid}"
+                + (f"<span class='minicb-cached'>&nbsp;·&nbsp;{cached[rid]}&nbsp;cached</span>"
+                   if cached.get(rid) else "") + "</span>"
                 for rid in request_ids)
 
         rows = [("waiting", state["waiting"]), ("running", state["running"]),
@@ -520,6 +599,10 @@ class StepPlayer:
         body = "".join(f"<tr><td><b>{name}</b> ({len(ids)})</td><td>{chips(ids)}</td></tr>" for name, ids in rows)
         blocks = (f"{trace.num_free_blocks} of {trace.num_blocks} free" if trace.num_blocks
                   else "no paged pool")
+        if trace.cached_free_blocks:
+            blocks += f" ({len(trace.cached_free_blocks)} of them cached)"
+        if trace.shared_blocks:
+            blocks += f", {len(trace.shared_blocks)} shared"
         return (f"<div style='font-family:monospace;min-width:260px'><b>step {trace.step}</b>"
                 f"<table>{body}<tr><td><b>KV blocks</b></td><td>{blocks}</td></tr></table></div>")
 

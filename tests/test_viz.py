@@ -378,3 +378,163 @@ def test_figures_leave_matplotlib_global_state_alone(static, continuous, tmp_pat
     assert fig.number in plt.get_fignums(), "an on-screen figure must be one plt.show() can find"
     plt.close(fig)
     assert matplotlib.get_backend() == backend, f"the backend changed from {backend} to {matplotlib.get_backend()}"
+
+
+# ---------------------------------------------------------------- prefix caching and shared blocks
+
+def caching_trace() -> StepTrace:
+    """8 blocks: r0 holds 0-2, r1 holds 0-1 too (a shared prefix) and 5; 3 and 4 are free but
+    cached (4 goes first), 6 and 7 plain free."""
+    return StepTrace(7, [SlotState(0, "decode", 1), SlotState(1, "prefill", 3)], running=[0, 1],
+                     num_free_blocks=4, num_blocks=8, block_owners=[0, 0, 0, None, None, 1, None, None],
+                     shared_blocks=[0, 1], cached_free_blocks=[4, 3], cached_tokens=[(1, 8)])
+
+
+def corner_pixels(image, ax, block, cols) -> np.ndarray:
+    """The pixels of a block's top left quarter, away from its outline and from the letter
+    in its middle, as [k, 3] floats."""
+    row, col = divmod(block, cols)
+    (x0, y0), (x1, y1) = ax.transData.transform([(col - 0.42, row - 0.12), (col - 0.12, row - 0.42)])
+    height = image.shape[0]
+    return image[height - int(y1):height - int(y0), int(x0):int(x1)].reshape(-1, 3).astype(float)
+
+
+def block_map_marks(ax) -> dict:
+    """The artists plot_block_map adds for prefix caching, by what they mark."""
+    return {"shared": [c for c in ax.collections if c.get_gid() == "minicb-shared-blocks"],
+            "cached": [t for t in ax.texts if t.get_gid() == "minicb-cached-free-block"],
+            "legend": ax.get_legend()}
+
+
+def test_plot_block_map_marks_shared_and_cached_free_blocks():
+    trace = caching_trace()
+    fig = viz.plot_block_map(trace)
+    ax = fig.axes[0]
+    assert "4 of 8 free (2 of them cached), 2 shared" in ax.get_title(), ax.get_title()
+    image = render(fig)
+    cols = int(round(ax.get_xlim()[1] + 0.5))
+    tint = np.round(np.array(viz._CACHED_TINT) * 255)
+    for block, owner in enumerate(trace.block_owners):
+        corner = pixel(image, ax, block % cols - 0.3, block // cols - 0.3)
+        want = (np.round(np.array(viz.request_color(owner)) * 255) if owner is not None
+                else tint if block in trace.cached_free_blocks else (255, 255, 255))
+        pixels = corner_pixels(image, ax, block, cols)
+        assert len(pixels) > 20, "the cells are too small to tell a hatch from a fill"
+        # Hatch lines: many pixels far darker than the fill; an unshared cell's corner has none.
+        dark = (pixels.sum(axis=1) < sum(want) - 150).mean()
+        if block in trace.shared_blocks:
+            assert dark > 0.1, f"shared block {block}: only {dark:.1%} of its corner is hatch-dark"
+        else:
+            assert dark == 0 and np.abs(corner - want).max() <= 3, \
+                f"block {block} (owner {owner}): pixel {corner}, want {want}; {dark:.1%} dark"
+    marks = block_map_marks(ax)
+    # The hatch covers exactly the shared blocks' cells, the "c" exactly the cached free ones.
+    (hatched,) = marks["shared"]
+    cells = sorted((round(p.get_extents().x0 + 0.5), round(p.get_extents().y0 + 0.5)) for p in hatched.get_paths())
+    assert cells == [(b % cols, b // cols) for b in trace.shared_blocks], cells
+    assert hatched.get_hatch() == viz._SHARED_HATCH
+    assert sorted((round(t.get_position()[0]), t.get_text()) for t in marks["cached"]) == [(3, "c"), (4, "c")]
+    labels = [t.get_text() for t in marks["legend"].get_texts()]
+    assert len(labels) == 4 and any("shared" in s for s in labels) and any("K/V kept" in s for s in labels), labels
+
+
+def test_plot_block_map_without_caching_draws_no_cached_or_shared_marks(continuous):
+    trace = next(t for t in continuous if 0 < t.num_free_blocks < t.num_blocks)
+    assert not trace.shared_blocks and not trace.cached_free_blocks
+    fig = viz.plot_block_map(trace)
+    ax = fig.axes[0]
+    marks = block_map_marks(ax)
+    assert not marks["shared"] and not marks["cached"] and marks["legend"] is None, marks
+    assert "cached" not in ax.get_title() and "shared" not in ax.get_title(), ax.get_title()
+    assert tuple(fig.get_size_inches()) == (7, 3), "the figure of a run without caching keeps its size"
+    # Forcing a legend on is allowed (the step player does, for a whole run) but marks nothing.
+    forced = block_map_marks(viz.plot_block_map(trace, legend=True).axes[0])
+    assert forced["legend"] is not None and not forced["shared"] and not forced["cached"]
+
+
+def test_plot_block_map_refuses_blocks_outside_the_pool():
+    trace = caching_trace()
+    trace.cached_free_blocks = [3, 8]
+    with pytest.raises(ValueError, match="cached_free_blocks"):
+        viz.plot_block_map(trace)
+
+
+def test_step_player_keeps_the_latest_admissions_cached_tokens():
+    # r0 finds 8 cached tokens, is preempted, and finds 12 when it comes back.
+    S = SlotState
+    traces = [StepTrace(0, [S(0, "prefill", 5)], admitted=[0], running=[0], cached_tokens=[(0, 8)]),
+              StepTrace(1, [S(None, "empty")], preempted=[0], waiting=[0]),
+              StepTrace(2, [S(0, "prefill", 3)], admitted=[0], running=[0], cached_tokens=[(0, 12)])]
+    player = viz.StepPlayer(traces)
+    seen = []
+    for k in range(3):
+        player.step = k
+        seen.append(player.state()["cached_tokens"])
+    assert seen == [{0: 8}, {0: 8}, {0: 12}], seen
+    assert "r0<span class='minicb-cached'>&nbsp;·&nbsp;12&nbsp;cached</span>" in player.queues.value
+
+
+@pytest.fixture(scope="module")
+def caching_run():
+    """The tiny model with prefix caching, 10 prompts sharing part of a 45-token system prompt,
+    on a pool small enough that some requests are preempted and re-admitted."""
+    import random
+
+    from minicb import LLM, SamplingParams
+    from minicb.model import random_model
+
+    system = [(13 * i) % 200 + 3 for i in range(45)]
+    rng = random.Random(1)
+    prompts = [system[:rng.randint(5, 30)] + [rng.randrange(3, 250) for _ in range(rng.randint(1, 12))]
+               for _ in range(10)]
+    llm = LLM.from_model(random_model(seed=11), enable_prefix_caching=True, block_size=4, max_num_seqs=4,
+                         num_blocks=22)
+    return llm.generate(prompts, SamplingParams(max_tokens=10), use_tqdm=False), llm.traces
+
+
+def test_step_player_cached_tokens_match_a_real_run(caching_run):
+    outputs, traces = caching_run
+    player = viz.StepPlayer(traces)
+    player.step = player.slider.max
+    shown = player.state()["cached_tokens"]
+    # Request ids are the prompts' indices (one fresh LLM, n = 1). metrics.num_cached_tokens is the
+    # first admission's count; the player shows the latest one, so preempted requests may differ.
+    plain = [o for o in outputs if o.metrics.num_preemptions == 0]
+    preempted = [o for o in outputs if o.metrics.num_preemptions > 0]
+    assert preempted and any(o.metrics.num_cached_tokens for o in plain), "the run should have both kinds"
+    assert {o.index: shown[o.index] for o in plain} == {o.index: o.metrics.num_cached_tokens for o in plain}
+    for o in preempted:
+        admissions = [n for t in traces for rid, n in t.cached_tokens if rid == o.index]
+        assert len(admissions) == o.metrics.num_preemptions + 1 and admissions[0] == o.metrics.num_cached_tokens
+        assert shown[o.index] == admissions[-1], f"r{o.index}: admissions {admissions}, shown {shown[o.index]}"
+    assert any(shown[o.index] != o.metrics.num_cached_tokens for o in preempted), \
+        "some re-admission should find a different number of cached tokens (else this test shows nothing)"
+    # The finished row names each request with its count, and none with a count of 0.
+    html = player.queues.value
+    for o in outputs:
+        chip = f"r{o.index}<span class='minicb-cached'>&nbsp;·&nbsp;{shown[o.index]}&nbsp;cached</span>"
+        assert (chip in html) == (shown[o.index] > 0), f"r{o.index} ({shown[o.index]} cached) in {html}"
+    # Before anything is admitted again, the counts are those of the admissions so far.
+    first = next(i for i, t in enumerate(traces) if t.cached_tokens)
+    player.step = first
+    assert player.state()["cached_tokens"] == dict(traces[first].cached_tokens)
+
+
+def test_step_player_block_map_of_a_caching_run(caching_run):
+    _, traces = caching_run
+    player = viz.StepPlayer(traces)
+    k = next(i for i, t in enumerate(traces) if t.shared_blocks and t.cached_free_blocks)
+    player.step = k
+    state = player.state()
+    assert (state["shared_blocks"], state["cached_free_blocks"]) == (traces[k].shared_blocks,
+                                                                     traces[k].cached_free_blocks)
+    assert f"({len(traces[k].cached_free_blocks)} of them cached), {len(traces[k].shared_blocks)} shared" \
+        in player.queues.value
+    # The frame is wider than a plain run's: it carries the legend, on every step.
+    widths = set()
+    for step in (0, k):
+        player.step = step
+        image = player.block_image.value
+        widths.add(int.from_bytes(image[16:20], "big"))  # PNG header: width
+    plain = viz.StepPlayer(simulate_continuous(REQUESTS)).block_image.value
+    assert widths == {int(9.2 * 80)} and int.from_bytes(plain[16:20], "big") == 7 * 80, (widths, plain[16:20])
