@@ -126,6 +126,16 @@ MUTANTS = [
            [("if key is None:", "if True:")]),
     Mutant(7, 4, "append writes into a shared partial block instead of copying it", "CachingBlockAllocator.append",
            [("elif self._ref_counts[table[-1]] > 1:", "elif False:")]),
+    # ---- chapter 08: chunked prefill
+    Mutant(8, 1, "decodes are not charged to the budget", "ChunkedScheduler.schedule_running",
+           [("budget -= 1", "budget -= 0")]),
+    Mutant(8, 2, "chunk_size ignores the budget", "chunk_size", [("min(num_remaining, budget)", "num_remaining")]),
+    Mutant(8, 2, "admission goes on when the budget is spent", "ChunkedScheduler.admit_chunks",
+           [("while self.waiting and budget > 0 and", "while self.waiting and")]),
+    Mutant(8, 3, "the chunk's mask forgets the offset: new token r sees keys up to r", "offset_causal_mask",
+           [("torch.arange(context_len - q_len, context_len,", "torch.arange(0, q_len,")]),
+    Mutant(8, 4, "the Triton wrapper tells the kernel one key fewer", "chunk_attention_triton",
+           [("torch.tensor([context_len], **int32)", "torch.tensor([context_len - 1], **int32)")]),
 ]
 
 
