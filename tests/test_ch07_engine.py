@@ -166,3 +166,36 @@ def test_smollm2_tight_pool_with_n_4_equals_greedy_with_and_without_caching(smol
                 assert c.token_ids == want.token_ids, (
                     f"caching={caching}, prompt {o.index}, completion {c.index}: "
                     f"{first_difference(c.token_ids, want.token_ids, ('n=4', 'greedy'))}")
+
+
+@pytest.mark.slow
+@pytest.mark.task("all")
+def test_smollm2_conversation_and_full_hit_equal_caching_off(smollm2):
+    model, tokenizer, _ = smollm2
+    from minicb.bench.workloads import EARLIER_ANSWER, SYSTEM_PROMPT
+
+    # A 3-turn conversation (each turn resends the earlier ones) and the same prompt
+    # twice (a full hit), sent one after the other, so later requests hit what the
+    # earlier ones left in the pool. (Preemption with caching on SmolLM2: the n = 4 test
+    # above; with n = 1: the tiny-model tests and tests/test_ch07_integration.py.)
+    history = [{"role": "system", "content": SYSTEM_PROMPT}]
+    turns = []
+    for question in ["Can I renew a book online?", "How many times?", "What if I lose it?"]:
+        history = history + [{"role": "user", "content": question}]
+        turns.append(tokenizer.apply_chat_template(history))
+        history = history + [{"role": "assistant", "content": EARLIER_ANSWER}]
+    sequence = [turns[0], turns[0], turns[1], turns[2]]
+    for n in (1, 4):
+        runs = {}
+        for caching in (False, True):
+            llm = LLM.from_model(model, tokenizer, enable_prefix_caching=caching, max_num_seqs=4, block_size=16)
+            runs[caching] = [llm.generate([prompt], SamplingParams(max_tokens=6, n=n), use_tqdm=False)[0]
+                             for prompt in sequence]
+        for a, b in zip(runs[True], runs[False]):
+            assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs], (
+                f"n={n}, request {sequence.index(a.prompt_token_ids)}: caching changed the completions")
+        hits = [o.metrics.num_cached_tokens for o in runs[True]]
+        full = (len(turns[0]) - 1) // 16 * 16
+        assert hits[0] == 0 and hits[1] == full and hits[3] > hits[2] > full - 16, (
+            f"n={n}: cached tokens per request {hits}; the repeat should hit {full} (all full blocks but the "
+            f"last token's) and each later turn more than the one before")
