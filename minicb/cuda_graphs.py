@@ -322,7 +322,7 @@ def main(argv=None) -> None:
     # The forward alone, on the runner's buffers as the last step left them: eager vs replay.
     bucket = runner.bucket_for(seqs)
     meta = runner.metadata(bucket, [[runner.scratch_block]] * bucket, [1] * bucket, runner.scratch_slot)
-    meta.host_block_tables = [list(map(int, row)) for row in runner.block_tables[:bucket].cpu()]
+    meta.host_block_tables = runner.block_tables[:bucket].cpu().tolist()
     meta.host_context_lens = runner.context_lens[:bucket].cpu().tolist()
     forwards = [lambda: runner.forward(bucket, meta)]
     if bucket in runner.graphs:

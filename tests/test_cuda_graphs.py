@@ -3,8 +3,10 @@
 A CPU has no CUDA graphs, so here the runner runs eagerly: the same static
 buffers, the same padding rows and scratch block, the same bucket choice; only
 the replay is missing. That is what these tests check, on the tiny model, with
-both attention backends (Triton interpreted). The capture and replay themselves
-are checked by the last test, on a CUDA GPU only.
+both attention backends (Triton interpreted). With MINICB_DEVICE=cuda (make
+gpu-check) the same tests capture and replay real graphs, with the Triton
+backend only (chapter 04's decode cannot be captured); the last test runs on a
+CUDA GPU only.
 """
 import random
 import types
@@ -21,6 +23,14 @@ from minicb.sampling import SamplingParams
 from minicb.scheduler import SchedulerOutput
 
 BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture
+def backend(request, device):
+    """The attention backend of a parametrized test, skipped where the runner cannot use it."""
+    if request.param == "torch" and device.startswith("cuda"):
+        pytest.skip("on CUDA the runner captures graphs, which need the Triton decode (see runner_mode)")
+    return request.param
 
 
 def test_buckets_by_hand():
@@ -63,7 +73,7 @@ def test_the_default_engine_on_a_cpu_is_unchanged():
 
 
 def test_the_runner_adds_a_scratch_block_no_sequence_owns():
-    engine = Engine(random_model(seed=0), EngineConfig(num_blocks=16, cuda_graphs=True))
+    engine = Engine(random_model(seed=0), EngineConfig(num_blocks=16, cuda_graphs=True))  # on the CPU
     assert engine.pool.num_blocks == 17 and engine.allocator.num_blocks == 16
     assert engine.graphs.scratch_block == 16 and engine.graphs.graphs == {}  # no graphs on a CPU
 
@@ -71,10 +81,10 @@ def test_the_runner_adds_a_scratch_block_no_sequence_owns():
 # ---- a decode-only step, by hand --------------------------------------------------------
 
 
-def decoding_engine(attention: str, prompt_lens=(3, 9, 14), max_num_seqs=8, **config):
+def decoding_engine(attention: str, device="cpu", prompt_lens=(3, 9, 14), max_num_seqs=8):
     """An engine with the runner on, whose requests are past their prefill: its next step is decode-only."""
-    engine = Engine(random_model(seed=3), EngineConfig(max_num_seqs=max_num_seqs, attention=attention, block_size=4,
-                                                      num_blocks=40, cuda_graphs=True, **config))
+    engine = Engine(random_model(seed=3).to(device), EngineConfig(max_num_seqs=max_num_seqs, attention=attention,
+                                                                 block_size=4, num_blocks=40, cuda_graphs=True))
     for i, n in enumerate(prompt_lens):
         engine.add_request([(11 * i + 5 * t) % 250 + 3 for t in range(n)], SamplingParams(max_tokens=6))
     engine.step()  # the prefills, eagerly
@@ -97,9 +107,9 @@ def changed_slots(before, after) -> set[tuple[int, int]]:
     return changed
 
 
-@pytest.mark.parametrize("attention", BACKENDS)
-def test_padding_rows_write_only_the_scratch_block(attention):
-    engine = decoding_engine(attention)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_padding_rows_write_only_the_scratch_block(backend, device):
+    engine = decoding_engine(backend, device)
     runner, seqs = engine.graphs, list(engine.scheduler.running)
     assert runner.bucket_for(len(seqs)) == 4  # 3 sequences: one padding row
     before = [c.clone() for c in engine.pool.k_caches + engine.pool.v_caches]
@@ -119,19 +129,19 @@ def test_padding_rows_write_only_the_scratch_block(attention):
     assert all(runner.scratch_block not in engine.allocator.block_table(s.request_id) for s in seqs)
 
 
-@pytest.mark.parametrize("attention", BACKENDS)
-def test_padding_never_changes_a_real_rows_logits(attention):
-    engine = decoding_engine(attention)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_padding_never_changes_a_real_rows_logits(backend, device):
+    engine = decoding_engine(backend, device)
     runner, out = engine.graphs, engine.scheduler.schedule()  # a decode-only step: its slots are allocated
     assert runner.takes(out) and len(out.decodes) == 3
     want = eager_logits(engine, out.decodes)  # no padding at all: the engine without the runner
     got = {}
-    for buckets in ([4], [8], [3]):  # 1 padding row, 5, none
+    for buckets in ([4], [8], [3]):  # 1 padding row, 5, none (on CUDA: replays of the 4 and 8 graphs, 3 eager)
         runner.buckets = buckets
         got[buckets[0]] = runner.decode(out.decodes, engine.allocator).clone()  # the same K/V written again
     for bucket, logits in got.items():
         assert logits.shape == want.shape
-        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"bucket {bucket}: {m}")
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"bucket {bucket}: {m}")
         assert torch.equal(logits.argmax(-1), want.argmax(-1)), f"bucket {bucket}: greedy tokens changed"
 
 
@@ -180,13 +190,13 @@ def check_decodes_against_eager(engine, same_tokens: bool = True) -> list[float]
     return diffs
 
 
-@pytest.mark.parametrize("attention", BACKENDS)
-def test_outputs_are_identical_with_the_runner_on_and_off(attention):
-    rng = random.Random(7)
-    count, longest = (10, 12) if attention == "torch" else (5, 8)  # the Triton interpreter is slow
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_outputs_are_identical_with_the_runner_on_and_off(backend, device):
+    attention, rng = backend, random.Random(7)
+    count, longest = (10, 12) if attention == "torch" or device != "cpu" else (5, 8)  # the interpreter is slow
     requests = [(rng.randint(0, 8), [rng.randrange(3, 256) for _ in range(rng.randint(1, 20))],
                  SamplingParams(max_tokens=rng.randint(1, longest))) for _ in range(count)]
-    model = random_model(seed=5)
+    model = random_model(seed=5).to(device)
     runs = {}
     for graphs in (False, True):
         engine = Engine(model, EngineConfig(max_num_seqs=6, attention=attention, block_size=4, num_blocks=60,
@@ -197,7 +207,7 @@ def test_outputs_are_identical_with_the_runner_on_and_off(attention):
     decode_only = [t for t in engine.traces if t.slots and all(s.phase in ("decode", "empty") for s in t.slots)
                    and any(s.phase == "decode" for s in t.slots)]
     assert len(diffs) == len(decode_only) > 0, "every decode-only step, and only those, should use the runner"
-    assert max(diffs) <= 1e-5, f"logits differ from the eager step's by up to {max(diffs):.2e}"
+    assert max(diffs) <= 1e-4, f"logits differ from the eager step's by up to {max(diffs):.2e}"
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 

@@ -54,7 +54,8 @@ else
     device=cuda
     export MINICB_DEVICE=cuda
 fi
-"$PY" - "$DRY" <<'EOF' || fail "$PY lacks what the check needs (above); the bundle carries only pure-Python packages"
+"$PY" - "$DRY" <<'EOF' || fail "preflight failed with $PY (above). Torch with CUDA, Triton and the compiled" \
+    "packages must be on this machine; the bundle can carry pure-Python ones only"
 import importlib, sys
 dry = sys.argv[1] == "1"
 missing = []
