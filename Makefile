@@ -1,7 +1,7 @@
 # minicb: two commands do everything.
 #   make demo   set up .venv (first time only) and run the demo
 #   make test   set up .venv (first time only) and run the whole suite, notebooks included
-# Other targets: setup, notebooks, bench, browser-check, gpu-check, clean.
+# Other targets: setup, notebooks, bench, browser-check, gpu-bundle, gpu-check, clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +19,7 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 # Per-notebook time limit (seconds) when the suite executes notebooks/*.ipynb.
 NOTEBOOK_TIMEOUT ?= 300
 
-.PHONY: setup demo test notebooks bench browser-check gpu-check clean
+.PHONY: setup demo test notebooks bench browser-check gpu-bundle gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,9 +60,17 @@ bench: setup
 browser-check: setup
 	bash tools/browser_check.sh
 
-# On a CUDA machine: the suite on the GPU with compiled Triton, every notebook,
-# the kernel and engine benchmarks, and a report in build/gpu-report.md.
-gpu-check: setup
+# What gpu-check needs on an offline CUDA machine, into build/gpu-bundle (60 MiB at
+# most): SmolLM2's config and tokenizer, the real model's answer lengths, and the
+# pure-Python packages a CUDA image may lack. Made here, with the venv; copy it over.
+gpu-bundle: setup
+	$(PY) tools/gpu_bundle.py bundle --out build/gpu-bundle
+
+# On a CUDA machine, offline, with its own python3 (torch with CUDA, Triton) and
+# build/gpu-bundle: GPU tests on SmolLM2's shape with random weights, the kernel,
+# CUDA-graph and engine benchmarks, and a report in build/gpu-report.md. No setup:
+# nothing is installed. GPU_CHECK_DRY=1 rehearses every step on a CPU.
+gpu-check:
 	bash tools/gpu_check.sh
 
 clean:

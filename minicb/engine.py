@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minicb import impl
+from minicb.cuda_graphs import DecodeGraphs, runner_mode
 from minicb.model import Model
 from minicb.paged_attention import KVPool
 from minicb.paged_model import AttentionMetadata, PagedAttention, attention_kernels
@@ -68,6 +69,10 @@ class EngineConfig:
     # max_num_batched_tokens, so no step computes more than that (minicb/chunked_prefill.py,
     # chapter 08). Off: chapter 06's scheduler admits each prompt whole.
     enable_chunked_prefill: bool = False
+    # Replay decode-only steps from CUDA graphs, one per batch-size bucket (minicb/cuda_graphs.py).
+    # None: on for CUDA with attention="triton", off otherwise. True on a CPU runs the same
+    # runner eagerly (a CPU has no graphs), through its static buffers and bucket padding.
+    cuda_graphs: bool | None = None
 
 
 @dataclass
@@ -107,8 +112,13 @@ class Engine:
             allocator, ec.max_num_seqs, cfg.max_position_embeddings, cfg.eos_token_ids,
             ec.max_num_batched_tokens, ec.watermark)
         self.allocator = allocator
-        self.pool = KVPool(cfg.num_layers, num_blocks, ec.block_size, cfg.num_kv_heads, cfg.head_dim,
-                           model.dtype, model.device)
+        # With the decode runner, the pool has one block more than the allocator hands out:
+        # the scratch block, where the runner's padding rows write their K/V.
+        mode = runner_mode(ec.cuda_graphs, model.device, self.kernels)
+        self.pool = KVPool(cfg.num_layers, num_blocks + (1 if mode else 0), ec.block_size, cfg.num_kv_heads,
+                           cfg.head_dim, model.dtype, model.device)
+        self.graphs = (DecodeGraphs(model, self.pool, self.kernels, ec.max_num_seqs, scratch_block=num_blocks,
+                                    capture=mode == "graphs") if mode else None)
         self.requests: dict[int, Sequence] = {}  # request_id -> its state, while it waits or runs
         keep = ec.keep_traces
         if keep is not None and (not isinstance(keep, int) or keep < 0):
@@ -173,9 +183,12 @@ class Engine:
         ends = [s.num_computed_tokens + out.num_new_tokens(s) for s in seqs]
         tokens: list[int | None] = [None] * len(seqs)
         if seqs:
-            input_ids, positions, meta = self.prepare(out)
-            attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
-            logits = self.model(input_ids, positions, attention, logits_at=meta.last_token_index())  # [1, S, V]
+            if self.graphs is not None and self.graphs.takes(out):  # decode-only: static buffers, a captured graph
+                logits = self.graphs.decode(seqs, self.allocator)  # [1, S, V]
+            else:
+                input_ids, positions, meta = self.prepare(out)
+                attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
+                logits = self.model(input_ids, positions, attention, logits_at=meta.last_token_index())  # [1, S, V]
             done = [i for i, (s, end) in enumerate(zip(seqs, ends)) if end == s.num_tokens]
             if done:
                 sampled = sample(logits[0, done], [seqs[i].params for i in done], [seqs[i].generator for i in done])

@@ -83,7 +83,7 @@ class LLM:
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 32,
                  attention: str = "torch", max_num_batched_tokens: int = 4096,
                  keep_traces: int | None = None, enable_prefix_caching: bool = False,
-                 enable_chunked_prefill: bool = False):
+                 enable_chunked_prefill: bool = False, cuda_graphs: bool | None = None):
         """model: None for the embedded SmolLM2, a .gguf file, or an HF checkpoint directory.
         device: None for cuda when available, else cpu.
         keep_traces: the StepTraces of each call to keep in `llm.traces` for the pictures:
@@ -91,7 +91,9 @@ class LLM:
         enable_prefix_caching: share computed prompt blocks between requests that start
         alike (minicb/prefix_cache.py); metrics.num_cached_tokens says how many.
         enable_chunked_prefill: cut long prompts into chunks so that no step computes more
-        than max_num_batched_tokens tokens (minicb/chunked_prefill.py)."""
+        than max_num_batched_tokens tokens (minicb/chunked_prefill.py).
+        cuda_graphs: replay decode-only steps from CUDA graphs (minicb/cuda_graphs.py); None
+        turns them on for CUDA with attention="triton"; a CPU has none."""
         from minicb.tokenizer import load_tokenizer
         from minicb.weights import load_model
 
@@ -105,7 +107,8 @@ class LLM:
         self._setup(net, tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs, attention=attention,
             max_num_batched_tokens=max_num_batched_tokens, keep_traces=keep_traces,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill))
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            cuda_graphs=cuda_graphs))
 
     @classmethod
     def from_model(cls, net: Model, tokenizer=None, **engine_config) -> "LLM":

@@ -1,24 +1,79 @@
 #!/usr/bin/env bash
-# make gpu-check: everything that needs a CUDA GPU, in one prepared run.
-#   1. the whole test suite on the GPU (MINICB_DEVICE=cuda, compiled Triton)
-#   2. every notebook, executed top to bottom
-#   3. the Triton kernel benchmark at batch 64 x ctx 4096, bf16 (goal: >= 70% of HBM bandwidth),
-#      and the query-tile kernel beside chapter 05's prefill on prefill and mixed steps
-#   4. the engine benchmark (minicb with Triton attention vs HF transformers), bf16
-# and a short report in build/gpu-report.md. Each part is time-limited, and a
-# failing part is recorded without stopping the others; the script exits
-# non-zero if any part failed.
+# make gpu-check: everything that needs a CUDA GPU, in one run on an offline machine.
+#
+# No pip, no network, no model download. It runs on the machine's own python3, which
+# must already hold torch with CUDA and Triton (GPU_CHECK_PYTHON names another one),
+# with the repository and the bundle's site/ on PYTHONPATH. Everything else comes
+# from the bundle that `make gpu-bundle` prepares on a machine with network
+# (build/gpu-bundle, or GPU_CHECK_BUNDLE; tools/gpu_bundle.py says what is in it).
+# The SmolLM2 weights do not travel: the model is SmolLM2's exact shape with random
+# weights, checked chapter against chapter.
+#
+#   0. preflight   the bundle, the Python packages, the GPU
+#   1. tests       the engine's greedy tokens vs chapter 01's, Triton vs PyTorch, graphs vs
+#                  eager (tests/test_gpu_parity.py, tests/test_cuda_graphs.py), and the
+#                  kernels' own tests, with MINICB_DEVICE=cuda and compiled Triton
+#   2. kernel      the Triton decode kernels at batch 64 x ctx 4096, bf16: bandwidth as a share
+#                  of a measured device-to-device copy (python -m minicb.triton_attention)
+#   3. tile        the query-tile kernel beside chapter 05's prefill (python -m minicb.tile_attention)
+#   4. graphs      decode steps at batch 32, eager vs CUDA graphs (python -m minicb.cuda_graphs)
+#   5. model       SmolLM2's config and tokenizer from the bundle, random weights (tools/gpu_bundle.py)
+#   6. engine      the bench on that model in bf16, replaying the real model's answer lengths:
+#                  minicb continuous (graphs on, and off: minicb-eager) vs HF generate and
+#                  HF's continuous batching (python -m minicb bench --lengths-json ...)
+#   7. report      build/gpu-report.md (tools/gpu_report.py)
+# Each part is time-limited (8 minutes in all at most), and a failing part is recorded
+# without stopping the others; the script exits non-zero if any part failed.
+#
+# GPU_CHECK_DRY=1 takes every step on a CPU instead, with the Triton interpreter and tiny
+# shapes (a minute or two): tests/test_gpu_check_dry.py runs it inside `make test`, so this
+# script cannot rot unseen. Its figures are not GPU figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+start=$SECONDS
+DRY=${GPU_CHECK_DRY:-0}
 OUT=${GPU_CHECK_OUT:-build/gpu-check}
-mkdir -p "$OUT"
-report=build/gpu-report.md
+REPORT=${GPU_CHECK_REPORT:-build/gpu-report.md}
+BUNDLE=${GPU_CHECK_BUNDLE:-build/gpu-bundle}
+if [ "$DRY" = 1 ] && [ -x .venv/bin/python ]; then PY=${GPU_CHECK_PYTHON:-.venv/bin/python}; else PY=${GPU_CHECK_PYTHON:-python3}; fi
 
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "gpu-check: torch sees no CUDA GPU here; nothing to do (run it on a CUDA machine)" >&2
-    exit 1
+fail() { echo "gpu-check: $*" >&2; exit 1; }
+
+# ---- 0. preflight -------------------------------------------------------------------------
+for f in manifest.json smollm2/config.json smollm2/tokenizer.json chat_output_lengths.json; do
+    [ -f "$BUNDLE/$f" ] || fail "the bundle $BUNDLE has no $f. Make it with \`make gpu-bundle\` on a machine" \
+        "with network (it needs the venv and the SmolLM2 package), copy build/gpu-bundle here, then run this again"
+done
+BUNDLE=$(cd "$BUNDLE" && pwd)
+export PYTHONPATH="$PWD:$BUNDLE/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+if [ "$DRY" = 1 ]; then
+    export TRITON_INTERPRET=1 MINICB_DEVICE=cpu
+    device=cpu
+else
+    device=cuda
+    export MINICB_DEVICE=cuda
 fi
+"$PY" - "$DRY" <<'EOF' || fail "preflight failed with $PY (above). Torch with CUDA, Triton and the compiled" \
+    "packages must be on this machine; the bundle can carry pure-Python ones only"
+import importlib, sys
+dry = sys.argv[1] == "1"
+missing = []
+for name in ("torch", "triton", "numpy", "transformers", "tokenizers", "safetensors", "jinja2", "tqdm",
+             "matplotlib", "pytest", "hypothesis", "minicb"):
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # an import can fail in other ways than ModuleNotFoundError
+        missing.append(f"{name} ({type(e).__name__}: {e})")
+if missing:
+    sys.exit("cannot import: " + "; ".join(missing))
+import torch
+if not dry and not torch.cuda.is_available():
+    sys.exit(f"torch {torch.__version__} sees no CUDA GPU here (run it on a CUDA machine, or GPU_CHECK_DRY=1 "
+             f"to rehearse on a CPU)")
+EOF
+rm -rf "$OUT"
+mkdir -p "$OUT" "$(dirname "$REPORT")"
 
 status=0
 run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, remember failure
@@ -27,41 +82,35 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, remember failure
     local t0=$SECONDS
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
-    echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+    echo "$name $rc $((SECONDS - t0)) $limit" >>"$OUT/parts.txt"
+    echo "$name: exit $rc in $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (time limit)')"
     tail -n 3 "$OUT/$name.log"
     [ $rc -eq 0 ] || status=1
 }
 
-: >"$OUT/summary.txt"
-export PYTHONUNBUFFERED=1
-run tests 240 env MINICB_DEVICE=cuda $PY -m pytest tests -q -p no:cacheprovider -x
-run notebooks 150 $PY -m pytest --nbmake notebooks -q -p no:cacheprovider --nbmake-timeout=120
-run kernel-bench 60 $PY -m minicb.triton_attention --batch 64 --ctx 4096 --dtype bfloat16 --json "$OUT/kernel.json"
-run tile-bench 60 $PY -m minicb.tile_attention --dtype bfloat16
-run engine-bench 150 $PY -m minicb bench --workload chat --device cuda --dtype bfloat16 --attention triton \
-    --num-prompts 100 --max-tokens 256 --slots 32 --out "$OUT/bench.json"
+if [ "$DRY" = 1 ]; then
+    # The CPU runs the GPU parity tests on the tiny model; `make test` runs the rest itself.
+    tests=(tests/test_gpu_parity.py)
+    model_args=(--tiny)
+    bench_size=(--num-prompts 4 --max-tokens 8 --slots 4 --hf-batch 2)
+else
+    tests=(tests/test_gpu_parity.py tests/test_cuda_graphs.py tests/test_ch05_triton_attention.py
+           tests/test_tile_attention.py)
+    model_args=()
+    bench_size=(--num-prompts 64 --max-tokens 256 --slots 32 --hf-batch 16)
+fi
+: >"$OUT/parts.txt"
+run tests 120 "$PY" -m pytest -q -rfEs -p no:cacheprovider -m "not slow" "${tests[@]}"
+run kernel 45 "$PY" -m minicb.triton_attention --batch 64 --ctx 4096 --dtype bfloat16 --json "$OUT/kernel.json"
+run tile 45 "$PY" -m minicb.tile_attention --dtype bfloat16
+run graphs 45 "$PY" -m minicb.cuda_graphs --seqs 32 --json "$OUT/graphs.json"
+run model 45 "$PY" tools/gpu_bundle.py model --bundle "$BUNDLE" --out "$OUT/model" "${model_args[@]}"
+run engine 150 "$PY" -m minicb bench --model "$OUT/model" --workload chat \
+    --lengths-json "$BUNDLE/chat_output_lengths.json" --device "$device" --dtype bfloat16 --attention triton \
+    "${bench_size[@]}" --engines minicb-continuous,minicb-eager,hf-generate,hf-generate-batch \
+    --out "$OUT/bench.json"
+rm -rf "$OUT/model"  # 0.5 GB of random weights: made again in seconds
 
-{
-    echo "# gpu-check report"
-    echo
-    echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
-    echo "- gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)"
-    echo "- torch: $($PY -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)'), triton: $($PY -c 'import triton; print(triton.__version__)')"
-    echo
-    echo '## parts'
-    echo '```'; cat "$OUT/summary.txt"; echo '```'
-    echo
-    echo '## tests (last lines)'
-    echo '```'; tail -n 5 "$OUT/tests.log"; echo '```'
-    echo
-    echo '## kernel benchmark'
-    echo '```'; tail -n 15 "$OUT/kernel-bench.log"; echo '```'
-    echo
-    echo '## tile kernel vs chapter 05 prefill'
-    echo '```'; tail -n 12 "$OUT/tile-bench.log"; echo '```'
-    echo
-    echo '## engine benchmark'
-    if [ -f "$OUT/bench.md" ]; then cat "$OUT/bench.md"; else echo '```'; tail -n 15 "$OUT/engine-bench.log"; echo '```'; fi
-} >"$report"
-echo "wrote $report"
+"$PY" tools/gpu_report.py --out "$OUT" --report "$REPORT" --dry "$DRY" --seconds $((SECONDS - start)) || status=1
+echo "gpu-check: $((SECONDS - start)) s in all, exit $status; wrote $REPORT"
 exit $status

@@ -23,6 +23,10 @@ The engines:
     minicb-chunked     minicb-continuous with chunked prefill, --max-num-batched-tokens a step
                        (minicb/chunked_prefill.py); not in the default set: name it, e.g. for
                        --workload long-prompt
+    minicb-eager       minicb-continuous with cuda_graphs=False: every step launched eagerly. On
+                       CUDA with --attention triton, minicb-continuous replays decode steps from
+                       CUDA graphs (minicb/cuda_graphs.py), so the pair shows what graphs save;
+                       on a CPU the two are the same engine. Not in the default set
     hf-generate        transformers `generate()` on left-padded batches of --hf-batch
     hf-generate-batch  transformers' own continuous batching (the manager behind `generate_batch`)
 
@@ -51,8 +55,8 @@ from minicb.static_batching import run_static
 from minicb.viz import summarize
 
 ENGINES = ("minicb-naive", "minicb-static", "minicb-continuous", "minicb-prefix-cache", "minicb-chunked",
-           "hf-generate", "hf-generate-batch")
-DEFAULT_ENGINES = tuple(e for e in ENGINES if e not in ("minicb-prefix-cache", "minicb-chunked"))
+           "minicb-eager", "hf-generate", "hf-generate-batch")
+DEFAULT_ENGINES = tuple(e for e in ENGINES if e not in ("minicb-prefix-cache", "minicb-chunked", "minicb-eager"))
 
 
 # ----------------------------------------------------------------------------

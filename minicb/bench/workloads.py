@@ -122,6 +122,18 @@ def random_requests(vocab_size: int, num_prompts: int, max_tokens: int, max_prom
     return requests
 
 
+def replay_lengths(requests: list[Request], path: str, max_tokens: int) -> list[Request]:
+    """The same prompts, each generating exactly output_lengths[i] tokens of the JSON at `path`
+    (capped at max_tokens), EOS ignored: the real model's answer lengths, for weights that are not its own."""
+    import json
+
+    with open(path) as f:
+        lengths = json.load(f)["output_lengths"]
+    if len(lengths) < len(requests):
+        raise ValueError(f"{path} has output lengths for {len(lengths)} prompts; {len(requests)} were asked for")
+    return [Request(r.prompt_ids, max(1, min(max_tokens, n)), ignore_eos=True) for r, n in zip(requests, lengths)]
+
+
 def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
     """Arrival times (s) of a Poisson process at `rate` requests/s; the first arrives at 0."""
     if rate <= 0:
@@ -153,6 +165,10 @@ def build_requests(workload: str, args, tokenizer, vocab_size: int) -> tuple[lis
     else:
         requests = chat_requests(tokenizer, args.num_prompts, args.max_tokens)
         description = f"{len(requests)} chat prompts, greedy, EOS or {args.max_tokens} tokens"
+        if getattr(args, "lengths_json", None):
+            requests = replay_lengths(requests, args.lengths_json, args.max_tokens)
+            description = (f"{len(requests)} chat prompts, greedy, each as long as the real model's answer "
+                           f"({args.lengths_json}), EOS ignored, at most {args.max_tokens} tokens")
     if workload not in ("poisson", "shared-prefix", "long-prompt"):
         return requests, None, description
     # Shared-prefix traffic arrives over time too: a request can only hit what an

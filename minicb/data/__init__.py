@@ -5,6 +5,11 @@ questions, explanations, lists, small coding asks, rewrites, word problems,
 definitions and stories, so that a small chat model answers them with very
 different lengths: some with one line, some until the token limit. That
 spread is what makes static batching waste slots and continuous batching win.
+
+`chat_output_lengths.json` records how many tokens the real SmolLM2 answered to
+the first 64 of them (greedy, fp32, on a CPU; made by `python tools/gpu_bundle.py
+lengths`). The GPU check's bench replays those lengths on random weights, whose
+answers have no natural end (`python -m minicb bench --lengths-json ...`).
 """
 
 import json

@@ -1,0 +1,352 @@
+"""CUDA graphs for decode steps: launch a whole forward with one call.
+
+In this file you will learn why a small model's decode step on a GPU is slow
+for a reason that has nothing to do with arithmetic, and how CUDA graphs fix it.
+
+A decode step of SmolLM2 at batch 32 is about 9 GFLOP (2 x 135M weights x 32
+tokens) and, at a few hundred tokens of context, under a GB of weights and K/V
+to read: for a large GPU, well under a millisecond of work. But the forward is
+written as small PyTorch operations: by a rough count, over thirty kernels per
+layer (the norms, projections, rotary embedding, store, attention, MLP and
+residuals), some thousand launches for 30 layers. Each costs the host Python,
+PyTorch dispatch and driver work, microseconds apiece, and most of these kernels
+take the GPU less than that. So the GPU waits for the host, and the step lasts
+as long as the host's launch loop. (`python -m minicb.cuda_graphs` measures it.)
+
+A CUDA graph records the launches of one forward once (`torch.cuda.graph`),
+with their arguments, and replays all of them with a single call. What it
+records, and so what it forbids:
+
+- fixed addresses: every kernel reads and writes the same tensors at every
+  replay. A step's inputs must be copied into *static buffers* captured once,
+  and its output is read from the tensor the capture produced;
+- fixed shapes and fixed launch grids: one graph per batch size. Graphs are
+  captured for a few *buckets* (1, 2, 4, 8, 16, 24, 32, ...), and a step of 13
+  sequences replays the 16 graph with 3 padding rows;
+- nothing that reads back to the host: no `.item()`, no `if tensor:`, no shape
+  that depends on a tensor's values. minicb's forward was written that way
+  (tests/test_host_syncs.py); the one exception is chapter 04's PyTorch
+  decode, whose gather is as wide as the longest context, a value that changes
+  every step. So graphs need chapter 05's Triton decode, which walks each
+  block table only as far as its own length, inside the kernel.
+
+Padding rows must be harmless. A padding row decodes a dummy token at
+position 0 with a context of one token, and its K/V go to a *scratch block*:
+one block at the end of the pool that the allocator never hands out, so no
+sequence owns it. Its table row names only that block. Each row's attention
+reads only its own blocks, and the projections and norms work row by row, so a
+padding row cannot change a real row's output.
+
+Only decode-only steps replay a graph. A step with prompts in it has a
+different number of tokens every time, and runs eagerly, as before.
+
+    runner = DecodeGraphs(model, pool, kernels, max_num_seqs=32, scratch_block=pool.num_blocks - 1,
+                          capture=True)
+    logits = runner.decode(seqs, allocator)   # [1, len(seqs), vocab]
+
+On a CPU there are no graphs: with `capture=False` the same runner fills the
+same static buffers, pads to the same buckets and runs the forward eagerly. The
+tests check the padding that way, on the CPU (tests/test_cuda_graphs.py).
+
+`python -m minicb.cuda_graphs` times decode steps with and without graphs
+(batch 32, SmolLM2's shape, bf16, on CUDA; tiny shapes on a CPU, eagerly).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+if __name__ == "__main__":  # the entry point decides, before anything imports triton (minicb/triton_mode.py)
+    from minicb.triton_mode import choose_triton_mode
+    choose_triton_mode()
+
+import torch  # noqa: E402
+
+from minicb.model import Model  # noqa: E402
+from minicb.paged_attention import KVPool  # noqa: E402
+from minicb.paged_model import AttentionMetadata, PagedAttention  # noqa: E402
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes that get a graph: 1, 2, 4, 8, then every 8 up to max_num_seqs, and max_num_seqs.
+
+    Small batches double (a graph per size would be many graphs for little gain);
+    past 8 the steps are 8 rows, so a step pads at most 7 rows.
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs}; it must be >= 1")
+    sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs}
+    sizes.update(range(16, max_num_seqs, 8))
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+def runner_mode(setting: bool | None, device: torch.device, kernels) -> str | None:
+    """How the engine runs decode-only steps: "graphs", "eager" (the runner without graphs) or None (no runner).
+
+    setting is EngineConfig.cuda_graphs. None (auto) captures graphs on CUDA when
+    the decode kernel can be captured: chapter 05's reference Triton kernel.
+    True insists (and raises where graphs cannot work); on a CPU, where no
+    graphs exist, it runs the runner eagerly, so the padding can be tested.
+    """
+    capturable = getattr(kernels, "__name__", "") == "minicb.triton_attention"
+    if setting is False:
+        return None
+    if setting not in (None, True):
+        raise ValueError(f"cuda_graphs={setting!r}; use None (auto: on for CUDA with attention='triton'), "
+                         f"True or False")
+    if torch.device(device).type != "cuda":
+        return "eager" if setting else None
+    if capturable:
+        return "graphs"
+    if setting:
+        raise ValueError("cuda_graphs=True needs attention='triton' (chapter 05's reference kernels): chapter "
+                         "04's PyTorch decode gathers as many blocks as the longest context, a width that changes "
+                         "every step, and a graph replays fixed shapes only")
+    return None
+
+
+class DecodeGraphs:
+    """Decode-only steps through static buffers, padded to a bucket; replayed from CUDA graphs when captured.
+
+    The pool must hold one block more than the allocator hands out: `scratch_block`,
+    where padding rows write their K/V.
+    """
+
+    def __init__(self, model: Model, pool: KVPool, kernels, max_num_seqs: int, scratch_block: int,
+                 capture: bool):
+        if not 0 <= scratch_block < pool.num_blocks:
+            raise ValueError(f"scratch_block={scratch_block} is not a block of the pool (num_blocks "
+                             f"{pool.num_blocks}); make the pool one block larger than the allocator")
+        self.model, self.pool, self.kernels = model, pool, kernels
+        self.buckets = batch_buckets(max_num_seqs)
+        self.scratch_block = scratch_block
+        self.scratch_slot = scratch_block * pool.block_size  # every padding row writes here
+        # Block tables are padded to the longest table a sequence can have, so that
+        # one buffer serves every step, however long the contexts grow.
+        self.max_blocks = math.ceil(model.config.max_position_embeddings / pool.block_size)
+        rows, device = self.buckets[-1], model.device
+        # The static buffers, at rest in the padding state: dummy token 0 at position 0,
+        # writing to the scratch slot and reading one token from the scratch block.
+        self.input_ids = torch.zeros(1, rows, dtype=torch.int64, device=device)  # [1, R]
+        self.positions = torch.zeros(1, rows, dtype=torch.int64, device=device)  # [1, R]
+        self.slot_mapping = torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=device)  # [R]
+        self.block_tables = torch.full((rows, self.max_blocks), scratch_block, dtype=torch.int32,
+                                       device=device)  # [R, max_blocks]
+        self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)  # [R]
+        self.cu_seqlens_q = torch.arange(rows + 1, dtype=torch.int32, device=device)  # [R + 1]: one token each
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its captured forward
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the logits [1, bucket, V] its replay writes
+        if capture:
+            self.capture()
+
+    # ---- what a step needs --------------------------------------------------------------
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        """The smallest bucket that holds num_seqs rows (None if none does)."""
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def takes(self, out) -> bool:
+        """Whether a SchedulerOutput is a decode-only step that fits a bucket."""
+        return (not out.prefills and 0 < len(out.decodes) <= self.buckets[-1]
+                and all(out.num_new_tokens(seq) == 1 for seq in out.decodes))
+
+    def metadata(self, bucket: int, host_tables: list[list[int]], host_lens: list[int],
+                 max_slot: int) -> AttentionMetadata:
+        """The AttentionMetadata of a padded decode step: views of the static buffers, and the host lists."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables[:bucket],
+            context_lens=self.context_lens[:bucket], cu_seqlens_q=self.cu_seqlens_q[:bucket + 1],
+            num_decodes=bucket, host_block_tables=host_tables, host_context_lens=host_lens,
+            host_cu_seqlens_q=list(range(bucket + 1)), max_slot=max_slot)
+
+    def forward(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The eager forward over the first `bucket` rows of the buffers -> logits [1, bucket, V].
+
+        This is what a graph captures. PagedAttention checks the metadata against
+        the pool and builds the decode plan here, outside the forward.
+        """
+        attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
+        return self.model(self.input_ids[:, :bucket], self.positions[:, :bucket], attention)
+
+    # ---- capture, once --------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """Capture one graph per bucket, the largest first, all sharing one memory pool.
+
+        The buffers are at rest (every row padding) throughout, so the warm-up runs
+        write K/V only into the scratch block. Warm-up runs on a side stream first:
+        they compile the Triton kernels and let cuBLAS choose its kernels, neither
+        of which may happen during a capture.
+        """
+        if self.model.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device; on a CPU the runner runs eagerly (capture=False)")
+        memory = torch.cuda.graph_pool_handle()  # the graphs run one at a time, so they can share memory
+        for bucket in reversed(self.buckets):
+            meta = self.metadata(bucket, [[self.scratch_block]] * bucket, [1] * bucket, self.scratch_slot)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.forward(bucket, meta)
+            torch.cuda.current_stream().wait_stream(side)
+            # PagedAttention is built outside the capture (it checks on the host); its
+            # decode plan for the Triton kernels is the static buffers themselves.
+            attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=memory):
+                self.outputs[bucket] = self.model(self.input_ids[:, :bucket], self.positions[:, :bucket], attention)
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    # ---- one decode step ----------------------------------------------------------------------
+
+    def decode(self, seqs, allocator) -> torch.Tensor:
+        """One decode-only step of `seqs` (each computes its last token) -> logits [1, len(seqs), V].
+
+        1. the rows on the host: each sequence's last token, its position, its slot,
+           its block table, its context length; then padding rows up to the bucket
+        2. check them against the pool, once (as PagedAttention does for an eager step)
+        3. copy them into the static buffers
+        4. replay the bucket's graph (or, uncaptured, run the forward eagerly)
+        The logits are a view of the graph's output: read them before the next step.
+        """
+        n = len(seqs)
+        bucket = self.bucket_for(n)
+        if bucket is None or n == 0:
+            raise ValueError(f"{n} sequences; the buckets hold 1 to {self.buckets[-1]}")
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for seq in seqs:
+            position = seq.num_computed_tokens  # the one token whose K/V are not stored yet
+            if position != seq.num_tokens - 1:
+                raise ValueError(f"request {seq.request_id} has {seq.num_tokens - position} tokens to compute; "
+                                 f"a decode step computes exactly 1")
+            ids.append(seq.token_ids[position])
+            positions.append(position)
+            slots += allocator.slot_mapping(seq.request_id, position, position + 1)
+            tables.append(allocator.block_table(seq.request_id))
+            lens.append(position + 1)
+        pad = bucket - n
+        host_tables = tables + [[self.scratch_block]] * pad
+        meta = self.metadata(bucket, host_tables, lens + [1] * pad, max(slots + [self.scratch_slot]))
+        meta.check_fits(self.pool.num_blocks, self.pool.block_size)
+
+        # Small inputs travel as one [4, bucket] int64 tensor; the tables as one [bucket, max_blocks].
+        packed = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad,
+                               lens + [1] * pad], dtype=torch.int64).to(self.model.device)
+        width = max(len(t) for t in tables)
+        table_rows = torch.full((bucket, self.max_blocks), self.scratch_block, dtype=torch.int32)
+        table_rows[:n, :width] = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables],
+                                              dtype=torch.int32)
+        self.input_ids[0, :bucket].copy_(packed[0])
+        self.positions[0, :bucket].copy_(packed[1])
+        self.slot_mapping[:bucket].copy_(packed[2])
+        self.context_lens[:bucket].copy_(packed[3])
+        self.block_tables[:bucket].copy_(table_rows)
+
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            logits = self.outputs[bucket]
+        else:
+            logits = self.forward(bucket, meta)
+        return logits[:, :n]  # [1, n, V]: the padding rows' logits are dropped
+
+
+# ----------------------------------------------------------------------------
+# Timing: python -m minicb.cuda_graphs
+
+
+def _decode_engines(model, attention: str, num_seqs: int, context: int, steps: int):
+    """Two engines, graphs on and off, each holding num_seqs sequences past their prefill at `context` tokens."""
+    from minicb.engine import Engine, EngineConfig
+    from minicb.sampling import SamplingParams
+
+    block_size = 16
+    blocks = num_seqs * math.ceil((context + steps + 16) / block_size)
+    engines = []
+    for graphs in (False, True):
+        engine = Engine(model, EngineConfig(max_num_seqs=num_seqs, attention=attention, num_blocks=blocks,
+                                            block_size=block_size, cuda_graphs=graphs))
+        for i in range(num_seqs):
+            prompt = [(7 * i + 13 * t) % (model.config.vocab_size - 10) + 10 for t in range(context)]
+            engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        engine.step()  # every prompt, eagerly
+        engines.append(engine)
+    return engines
+
+
+def _median_ms_in_turns(functions, repeats: int, cuda: bool) -> list[float]:
+    """Each function `repeats` times, in turns, so load from other programs falls on all alike."""
+    times = [[] for _ in functions]
+    for _ in range(repeats):
+        for fn, seconds in zip(functions, times):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+    return [1000 * statistics.median(s) for s in times]
+
+
+def main(argv=None) -> None:
+    import argparse
+    import json
+
+    from minicb.model import ModelConfig, random_model, tiny_config
+
+    parser = argparse.ArgumentParser(description="time decode steps with and without CUDA graphs")
+    parser.add_argument("--seqs", type=int, default=32, help="sequences decoding together")
+    parser.add_argument("--context", type=int, default=256, help="tokens of context each sequence starts with")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps of each kind")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--json", help="write the figures to this file")
+    opts = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        # SmolLM2-135M's shape with random weights: the time of a step does not depend on the weights.
+        model = random_model(ModelConfig(), seed=0).to("cuda", getattr(torch, opts.dtype))
+        attention, seqs, context, steps = "triton", opts.seqs, opts.context, opts.steps
+    else:
+        # No graphs on a CPU: the runner's eager path on tiny shapes, so this entry point runs everywhere.
+        model = random_model(tiny_config(), seed=0)
+        attention, seqs, context, steps = "torch", min(opts.seqs, 5), min(opts.context, 24), min(opts.steps, 3)
+    eager, graphed = _decode_engines(model, attention, seqs, context, steps + 3)
+    runner = graphed.graphs
+    for engine in (eager, graphed):  # warm-up: the first decode steps, off the clock
+        engine.step()
+    # Whole engine steps (schedule, prepare or copy into buffers, forward, sample, postprocess).
+    step_ms = _median_ms_in_turns([eager.step, graphed.step], steps, cuda)
+    # The forward alone, on the runner's buffers as the last step left them: eager vs replay.
+    bucket = runner.bucket_for(seqs)
+    meta = runner.metadata(bucket, [[runner.scratch_block]] * bucket, [1] * bucket, runner.scratch_slot)
+    meta.host_block_tables = runner.block_tables[:bucket].cpu().tolist()
+    meta.host_context_lens = runner.context_lens[:bucket].cpu().tolist()
+    forwards = [lambda: runner.forward(bucket, meta)]
+    if bucket in runner.graphs:
+        forwards.append(runner.graphs[bucket].replay)
+    forward_ms = _median_ms_in_turns(forwards, steps, cuda)
+    device = torch.cuda.get_device_name() if cuda else "cpu (no CUDA graphs: the runner runs eagerly)"
+    report = {"device": device, "dtype": str(model.dtype).removeprefix("torch."), "attention": attention,
+              "seqs": seqs, "bucket": bucket, "context": context, "steps": steps, "graphs": bool(runner.graphs),
+              "step_ms": {"eager": step_ms[0], "graphs": step_ms[1]},
+              "forward_ms": {"eager": forward_ms[0], "graphs": forward_ms[1] if len(forward_ms) > 1 else None}}
+    print(f"{device}: {seqs} sequences (bucket {bucket}) at {context}+ tokens of context, {report['dtype']}, "
+          f"attention={attention}, medians of {steps}")
+    print(f"  engine step   eager {step_ms[0]:8.3f} ms   runner {step_ms[1]:8.3f} ms   "
+          f"eager / runner {step_ms[0] / step_ms[1]:5.2f}x")
+    if len(forward_ms) > 1:
+        print(f"  forward only  eager {forward_ms[0]:8.3f} ms   replay {forward_ms[1]:8.3f} ms   "
+              f"eager / replay {forward_ms[0] / forward_ms[1]:5.2f}x")
+    else:
+        print(f"  forward only  eager {forward_ms[0]:8.3f} ms   (no graph captured on this device)")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {opts.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The decode runner of minicb/cuda_graphs.py: buckets, padding, and the same outputs as without it.
+
+A CPU has no CUDA graphs, so here the runner runs eagerly: the same static
+buffers, the same padding rows and scratch block, the same bucket choice; only
+the replay is missing. That is what these tests check, on the tiny model, with
+both attention backends (Triton interpreted). With MINICB_DEVICE=cuda (make
+gpu-check) the same tests capture and replay real graphs, with the Triton
+backend only (chapter 04's decode cannot be captured); the last test runs on a
+CUDA GPU only.
+"""
+import random
+import types
+
+import pytest
+import torch
+
+from minicb import paged_attention, triton_attention
+from minicb.cuda_graphs import DecodeGraphs, batch_buckets, runner_mode
+from minicb.engine import Engine, EngineConfig
+from minicb.model import random_model
+from minicb.paged_model import PagedAttention
+from minicb.sampling import SamplingParams
+from minicb.scheduler import SchedulerOutput
+
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture
+def backend(request, device):
+    """The attention backend of a parametrized test, skipped where the runner cannot use it."""
+    if request.param == "torch" and device.startswith("cuda"):
+        pytest.skip("on CUDA the runner captures graphs, which need the Triton decode (see runner_mode)")
+    return request.param
+
+
+def test_buckets_by_hand():
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(1) == [1]
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        batch_buckets(0)
+
+
+def test_bucket_for_picks_the_smallest_that_fits():
+    engine = Engine(random_model(seed=0), EngineConfig(max_num_seqs=32, cuda_graphs=True, num_blocks=16))
+    picks = {n: engine.graphs.bucket_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 31, 32, 33)}
+    assert picks == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 24, 24: 24, 25: 32, 31: 32, 32: 32,
+                     33: None}
+
+
+def test_when_the_engine_has_a_runner():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+    student = types.SimpleNamespace(__name__="exercise")  # a student's module: graphs would not be safe
+    assert [runner_mode(setting, cpu, triton_attention) for setting in (None, True, False)] == [None, "eager", None]
+    assert [runner_mode(setting, cuda, triton_attention) for setting in (None, True, False)] == \
+        ["graphs", "graphs", None]
+    assert runner_mode(None, cuda, paged_attention) is None  # chapter 04's gather has a data-dependent width
+    assert runner_mode(None, cuda, student) is None
+    for kernels in (paged_attention, student):
+        with pytest.raises(ValueError, match="attention='triton'"):
+            runner_mode(True, cuda, kernels)
+    with pytest.raises(ValueError, match="cuda_graphs='yes'"):
+        runner_mode("yes", cpu, triton_attention)
+
+
+def test_the_default_engine_on_a_cpu_is_unchanged():
+    engine = Engine(random_model(seed=0), EngineConfig(num_blocks=16))
+    assert engine.graphs is None
+    assert engine.pool.num_blocks == engine.allocator.num_blocks == 16  # no scratch block
+
+
+def test_the_runner_adds_a_scratch_block_no_sequence_owns():
+    engine = Engine(random_model(seed=0), EngineConfig(num_blocks=16, cuda_graphs=True))  # on the CPU
+    assert engine.pool.num_blocks == 17 and engine.allocator.num_blocks == 16
+    assert engine.graphs.scratch_block == 16 and engine.graphs.graphs == {}  # no graphs on a CPU
+
+
+# ---- a decode-only step, by hand --------------------------------------------------------
+
+
+def decoding_engine(attention: str, device="cpu", prompt_lens=(3, 9, 14), max_num_seqs=8):
+    """An engine with the runner on, whose requests are past their prefill: its next step is decode-only."""
+    engine = Engine(random_model(seed=3).to(device), EngineConfig(max_num_seqs=max_num_seqs, attention=attention,
+                                                                 block_size=4, num_blocks=40, cuda_graphs=True))
+    for i, n in enumerate(prompt_lens):
+        engine.add_request([(11 * i + 5 * t) % 250 + 3 for t in range(n)], SamplingParams(max_tokens=6))
+    engine.step()  # the prefills, eagerly
+    return engine
+
+
+def eager_logits(engine, seqs) -> torch.Tensor:
+    """The engine's own eager path (prepare, PagedAttention, model) for a decode-only step of seqs -> [1, S, V]."""
+    input_ids, positions, meta = engine.prepare(SchedulerOutput(decodes=list(seqs)))
+    attention = PagedAttention(engine.pool.k_caches, engine.pool.v_caches, meta, engine.kernels)
+    return engine.model(input_ids, positions, attention, logits_at=meta.last_token_index())
+
+
+def changed_slots(before, after) -> set[tuple[int, int]]:
+    """(block, offset) of every pool slot whose K or V changed in any layer."""
+    changed = set()
+    for old, new in zip(before, after):
+        diff = (old != new).flatten(2).any(dim=2)  # [num_blocks, block_size]
+        changed |= {tuple(ix) for ix in diff.nonzero().tolist()}
+    return changed
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_padding_rows_write_only_the_scratch_block(backend, device):
+    engine = decoding_engine(backend, device)
+    runner, seqs = engine.graphs, list(engine.scheduler.running)
+    assert runner.bucket_for(len(seqs)) == 4  # 3 sequences: one padding row
+    before = [c.clone() for c in engine.pool.k_caches + engine.pool.v_caches]
+    calls = []
+    decode = runner.decode
+    runner.decode = lambda *args: calls.append(len(args[0])) or decode(*args)
+    engine.step()
+    assert calls == [3], "the decode-only step should have gone through the runner"
+    # Each sequence's token of this step is now its last computed one.
+    real = {divmod(slot, 4) for seq in seqs for slot in engine.allocator.slot_mapping(
+        seq.request_id, seq.num_computed_tokens - 1, seq.num_computed_tokens)}
+    changed = changed_slots(before, engine.pool.k_caches + engine.pool.v_caches)
+    scratch = {(runner.scratch_block, 0)}
+    assert real <= changed, f"the real tokens' slots {sorted(real - changed)} were not written"
+    assert changed - real == scratch, (f"the step wrote outside its own slots and the scratch slot: "
+                                       f"{sorted(changed - real - scratch)}")
+    assert all(runner.scratch_block not in engine.allocator.block_table(s.request_id) for s in seqs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_padding_never_changes_a_real_rows_logits(backend, device):
+    engine = decoding_engine(backend, device)
+    runner, out = engine.graphs, engine.scheduler.schedule()  # a decode-only step: its slots are allocated
+    assert runner.takes(out) and len(out.decodes) == 3
+    want = eager_logits(engine, out.decodes)  # no padding at all: the engine without the runner
+    got = {}
+    for buckets in ([4], [8], [3]):  # 1 padding row, 5, none (on CUDA: replays of the 4 and 8 graphs, 3 eager)
+        runner.buckets = buckets
+        got[buckets[0]] = runner.decode(out.decodes, engine.allocator).clone()  # the same K/V written again
+    for bucket, logits in got.items():
+        assert logits.shape == want.shape
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"bucket {bucket}: {m}")
+        assert torch.equal(logits.argmax(-1), want.argmax(-1)), f"bucket {bucket}: greedy tokens changed"
+
+
+def test_steps_with_prompts_run_eagerly_and_decode_only_steps_use_the_runner():
+    engine = decoding_engine("torch", prompt_lens=(3, 9))
+    runner = engine.graphs
+    decodes = [SchedulerOutput(decodes=list(engine.scheduler.running))]
+    assert runner.takes(decodes[0])
+    mixed = SchedulerOutput(decodes=list(engine.scheduler.running)[:1], prefills=list(engine.scheduler.running)[1:])
+    assert not runner.takes(mixed) and not runner.takes(SchedulerOutput())
+    too_many = SchedulerOutput(decodes=list(engine.scheduler.running) * 5)  # 10 > the largest bucket, 8
+    assert not runner.takes(too_many)
+
+
+# ---- whole runs: the same tokens with the runner on and off ----------------------------------
+
+
+def serve(engine, requests) -> dict[int, tuple[list[int], str]]:
+    """Run (arrival_step, prompt, params) requests to the end -> request index -> (tokens, finish reason)."""
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
+    index_of, finished, step = {}, {}, 0
+    while pending or engine.has_unfinished():
+        while pending and requests[pending[0]][0] <= step:
+            i = pending.pop(0)
+            index_of[engine.add_request(requests[i][1], requests[i][2])] = i
+        for seq in engine.step().finished:
+            finished[index_of[seq.request_id]] = (seq.output_token_ids, seq.finish_reason)
+        step += 1
+    return finished
+
+
+def check_decodes_against_eager(engine, same_tokens: bool = True) -> list[float]:
+    """Make every runner step also compute the eager logits; returns the max abs difference of each step.
+    same_tokens: also assert that each row's greedy token is the same."""
+    diffs, decode = [], engine.graphs.decode
+
+    def checked(seqs, allocator):
+        logits = decode(seqs, allocator).clone()
+        want = eager_logits(engine, seqs)  # writes the very same K/V again
+        if same_tokens:
+            assert torch.equal(logits.argmax(-1), want.argmax(-1)), "greedy tokens differ from the eager step"
+        diffs.append((logits.float() - want.float()).abs().max().item())
+        return logits
+
+    engine.graphs.decode = checked
+    return diffs
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_outputs_are_identical_with_the_runner_on_and_off(backend, device):
+    attention, rng = backend, random.Random(7)
+    count, longest = (10, 12) if attention == "torch" or device != "cpu" else (5, 8)  # the interpreter is slow
+    requests = [(rng.randint(0, 8), [rng.randrange(3, 256) for _ in range(rng.randint(1, 20))],
+                 SamplingParams(max_tokens=rng.randint(1, longest))) for _ in range(count)]
+    model = random_model(seed=5).to(device)
+    runs = {}
+    for graphs in (False, True):
+        engine = Engine(model, EngineConfig(max_num_seqs=6, attention=attention, block_size=4, num_blocks=60,
+                                            cuda_graphs=graphs, keep_traces=None))
+        diffs = check_decodes_against_eager(engine) if graphs else []
+        runs[graphs] = serve(engine, requests)
+    assert runs[True] == runs[False]
+    decode_only = [t for t in engine.traces if t.slots and all(s.phase in ("decode", "empty") for s in t.slots)
+                   and any(s.phase == "decode" for s in t.slots)]
+    assert len(diffs) == len(decode_only) > 0, "every decode-only step, and only those, should use the runner"
+    assert max(diffs) <= 1e-4, f"logits differ from the eager step's by up to {max(diffs):.2e}"
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_the_forward_a_graph_captures_reads_nothing_on_the_host():
+    if not triton_attention.INTERPRETED:
+        pytest.skip("the kernels are compiled for CUDA; this test builds CPU tensors")
+    from test_host_syncs import count_host_reads
+
+    engine = decoding_engine("triton")
+    runner, seqs = engine.graphs, engine.scheduler.schedule().decodes
+    runner.decode(seqs, engine.allocator)  # fill the buffers as a real step does
+    meta = runner.metadata(4, [engine.allocator.block_table(s.request_id) for s in seqs] + [[runner.scratch_block]],
+                           [s.num_computed_tokens + 1 for s in seqs] + [1], runner.scratch_slot)
+    reads = count_host_reads(lambda: runner.forward(4, meta))
+    assert reads == [], f"{len(reads)} host reads in the runner's forward:\n" + "\n".join(reads)
+
+
+# ---- CUDA only: capture and replay ---------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="CUDA graphs exist only on a CUDA GPU; on a CPU the runner runs eagerly, which the "
+                           "tests above check (make gpu-check runs this one)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capture_and_replay_on_cuda(dtype):
+    model = random_model(seed=5).to("cuda", dtype)
+    rng = random.Random(3)
+    requests = [(rng.randint(0, 12), [rng.randrange(3, 256) for _ in range(rng.randint(1, 40))],
+                 SamplingParams(max_tokens=rng.randint(1, 20))) for _ in range(20)]
+    runs = {}
+    for graphs in (False, None):  # None: the default, which on CUDA with Triton captures
+        engine = Engine(model, EngineConfig(max_num_seqs=12, attention="triton", block_size=4, num_blocks=200,
+                                            cuda_graphs=graphs))
+        if graphs is None:
+            runner = engine.graphs
+            assert runner is not None and sorted(runner.graphs) == runner.buckets == [1, 2, 4, 8, 12]
+            diffs = check_decodes_against_eager(engine, same_tokens=dtype == torch.float32)
+        runs[graphs] = serve(engine, requests)
+    assert diffs, "no decode step replayed a graph"
+    if dtype == torch.float32:
+        assert runs[None] == runs[False], "greedy tokens differ with graphs on and off"
+        assert max(diffs) <= 1e-4, f"replayed logits differ from eager ones by up to {max(diffs):.2e}"
+    else:
+        # bf16: a padded batch may run other matmul kernels than an unpadded one, so the logits
+        # agree to bf16's precision and a near tie may pick another token.
+        assert max(diffs) <= 0.1, f"replayed logits differ from eager ones by up to {max(diffs):.2e}"
