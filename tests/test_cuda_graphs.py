@@ -211,6 +211,23 @@ def test_outputs_are_identical_with_the_runner_on_and_off(backend, device):
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
+
+def test_chunked_prefill_and_prefix_caching_work_with_the_runner(device):
+    # Chunked steps mix decodes with prompt chunks and run eagerly; the decode-only
+    # steps between them go through the runner. Tokens must not change.
+    rng = random.Random(9)
+    shared = [rng.randrange(3, 256) for _ in range(9)]
+    requests = [(rng.randint(0, 8), shared + [rng.randrange(3, 256) for _ in range(rng.randint(1, 20))],
+                 SamplingParams(max_tokens=rng.randint(1, 12))) for _ in range(10)]
+    model = random_model(seed=5).to(device)
+    runs = {}
+    for graphs in (False, True):
+        engine = Engine(model, EngineConfig(max_num_seqs=6, block_size=4, num_blocks=60, cuda_graphs=graphs,
+                                            enable_chunked_prefill=True, max_num_batched_tokens=7,
+                                            enable_prefix_caching=True))
+        runs[graphs] = serve(engine, requests)
+    assert runs[True] == runs[False], "chunked prefill with prefix caching: the runner changed the tokens"
+
 def test_the_forward_a_graph_captures_reads_nothing_on_the_host():
     if not triton_attention.INTERPRETED:
         pytest.skip("the kernels are compiled for CUDA; this test builds CPU tensors")
