@@ -285,4 +285,7 @@ class Engine:
             cached_free_blocks=(self.allocator.cached_free_blocks() if self.config.enable_prefix_caching else []),
             shared_blocks=sorted(block for block, count in holders.items() if count > 1),
             cached_tokens=[(request_id, cached) for request_id, _, _, _, cached in work if request_id in admitted],
+            # Chunked prefill never exceeds it; whole-prompt admission uses it to admit, but a
+            # prompt longer than the budget still runs whole when nothing else does.
+            token_budget=self.config.max_num_batched_tokens,
         )

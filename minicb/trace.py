@@ -49,6 +49,9 @@ class StepTrace:
     shared_blocks: list[int] = field(default_factory=list)  # held by more than one request (a shared prefix, n > 1)
     # (request_id, prompt tokens served from the prefix cache) for each request admitted this step
     cached_tokens: list[tuple[int, int]] = field(default_factory=list)
+    # The scheduler's token budget (max_num_batched_tokens): what one step may compute.
+    # 0 = none or unknown (the static engines, traces from before it was recorded).
+    token_budget: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,15 +8,22 @@ What you will learn: how to *see* a batching policy. Each engine returns one
   plus the map of physical KV blocks and static vs continuous one above the other;
   with prefix caching or n > 1 the block map also tells shared blocks (hatched) and
   free blocks that keep their K/V for reuse (pale blue, "c") from the rest;
+- `draw_token_strip`: under a timeline, how each step spent its tokens: decodes,
+  whole prompts, prompt chunks, padding, against the step's token budget;
 - `StepPlayer`: a Jupyter widget with a play button that steps through a run;
-- `summarize`: the numbers behind the pictures (utilisation, evictions, refills, ...).
+- `summarize`, `token_split`: the numbers behind the pictures (utilisation, evictions,
+  refills, ...; each step's decode and prefill tokens).
 
 Static batching shows up as long grey runs of wasted rows that wait for the
 slowest request of the batch; continuous batching shows slots that are refilled
-the step after they are freed. Chapters 02, 06 and 07 use these pictures.
+the step after they are freed. Chapters 02, 06, 07 and 08 use these pictures. In the
+token strip, admitting a long prompt whole is one tall bar: one step that
+computes the whole prompt while every running request waits for its next
+token. Chunked prefill (chapter 08) cuts it into bars no taller than the budget.
 
 Try it:  python -m minicb demo   (or open notebooks/06-continuous-batching.ipynb;
-         notebooks/07-prefix-caching.ipynb shows shared and cached blocks)
+         notebooks/07-prefix-caching.ipynb shows shared and cached blocks,
+         notebooks/08-chunked-prefill.ipynb the token strip)
 
 Only the standard library is imported at module level: matplotlib and ipywidgets
 are imported inside the functions that need them, so `import minicb.viz` is
@@ -57,6 +64,12 @@ _WHITE = (1.0, 1.0, 1.0)  # empty slots, free blocks
 # no request colour is this light (theirs have saturation 0.6).
 _CACHED_TINT = (0.84, 0.91, 0.98)
 _SHARED_HATCH = "////"  # a block held by more than one request
+# The token strip's layers, bottom to top: (key in token_split, label, colour). Plain
+# colours, not the requests' own: the strip counts tokens, whoever they belong to.
+_STRIP_LAYERS = (("decode", "decode (1 token a request)", (0.27, 0.47, 0.78)),
+                 ("whole", "whole prompt", (0.80, 0.40, 0.08)),
+                 ("chunk", "prompt chunk", (0.98, 0.72, 0.38)),
+                 ("padding", "padding, wasted rows", _GREY))
 
 
 def request_symbol(request_id: int, prefill: bool = False) -> str:
@@ -147,6 +160,52 @@ def summarize(traces: list[StepTrace]) -> dict:
         "idle_slot_steps": phases.count("wasted") + phases.count("empty"),  # slots doing no useful work
         "time_s": sum(t.time_s for t in traces),
     }
+
+
+def token_split(traces: list[StepTrace]) -> list[dict[str, int]]:
+    """How each step spent its tokens: one dict per trace, with
+
+    - "decode":  tokens of requests decoding (one each);
+    - "prefill": prompt tokens, chunks included;
+    - "chunk":   the part of "prefill" that belongs to prompts cut across steps (chapter 08);
+    - "padding": what the forward computed for no live request (static batching's
+                 padding and wasted rows): trace.num_tokens minus the rest.
+
+    A prefill is whole when its request was admitted in that step and either got its
+    first token there or next appears decoding (the static engines record no tokens);
+    any other prefill is a chunk: the start of a prompt that goes on in a later step,
+    or a piece after the first.
+    """
+    split: list[dict[str, int]] = [{} for _ in traces]
+    upcoming: dict[int, str] = {}  # request -> phase of its next appearance, read backwards
+    for i in range(len(traces) - 1, -1, -1):
+        trace = traces[i]
+        admitted, sampled = set(trace.admitted), {rid for rid, _ in trace.new_tokens}
+        counts = {"decode": 0, "prefill": 0, "chunk": 0}
+        for state in trace.slots:
+            rid = state.request_id
+            if state.phase == "decode":
+                counts["decode"] += state.num_tokens
+            elif state.phase == "prefill":
+                counts["prefill"] += state.num_tokens
+                whole = rid in admitted and (rid in sampled or upcoming.get(rid) != "prefill")
+                counts["chunk"] += 0 if whole else state.num_tokens
+        counts["padding"] = max(0, trace.num_tokens - counts["decode"] - counts["prefill"])
+        split[i] = counts
+        for state in trace.slots:
+            if state.request_id is not None and state.phase != "empty":
+                upcoming[state.request_id] = state.phase
+    return split
+
+
+def _token_budget(traces: list[StepTrace], budget: int | None) -> int | None:
+    """The budget to draw: the one given, else the one the traces recorded, if they agree."""
+    if budget is not None:
+        if not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget={budget!r}; it must be a positive number of tokens, or None")
+        return budget
+    recorded = {t.token_budget for t in traces if t.token_budget}
+    return recorded.pop() if len(recorded) == 1 else None
 
 
 # ----------------------------------------------------------------------------
@@ -276,9 +335,10 @@ def _timeline_rgb(traces: list[StepTrace], num_slots: int, upto: int):
 
 
 def draw_timeline(ax, traces: list[StepTrace], *, title: str | None = None, current: int | None = None,
-                  legend: bool = True) -> None:
+                  legend: bool = True, strip_ax=None, budget: int | None = None) -> None:
     """Draw the slot timeline into `ax`. With `current`, only steps 0..current are drawn
-    and that step's column is framed; the x axis still spans the whole run."""
+    and that step's column is framed; the x axis still spans the whole run.
+    With `strip_ax`, the token strip (draw_token_strip, with `budget`) goes there, on the same steps."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch, Rectangle
 
@@ -324,13 +384,77 @@ def draw_timeline(ax, traces: list[StepTrace], *, title: str | None = None, curr
                            label=_MARKER_MEANING[k])
                     for k, s in styles.items()]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if strip_ax is not None:
+        ax.set_xlabel("")
+        draw_token_strip(strip_ax, traces, budget=budget, current=current, legend=legend)
+        strip_ax.set_xlim(ax.get_xlim())
 
 
-def plot_timeline(traces: list[StepTrace], ax=None, title: str | None = None, *, current: int | None = None):
-    """The slot timeline as a figure: one cell per (slot, step), coloured by request."""
+def draw_token_strip(ax, traces: list[StepTrace], *, budget: int | None = None, current: int | None = None,
+                     legend: bool = True) -> None:
+    """One stacked column per step: its decode tokens, then whole prompts, prompt chunks and
+    padding (token_split), with the token budget as a dashed line. `budget` None: the
+    traces' token_budget, if they recorded one. With `current`, as in draw_timeline."""
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    if not traces:
+        raise ValueError("cannot draw a token strip of an empty trace list")
+    upto = len(traces) - 1 if current is None else current
+    if not 0 <= upto < len(traces):
+        raise ValueError(f"current step index {current!r} is outside 0..{len(traces) - 1}")
+    budget = _token_budget(traces, budget)
+    split = token_split(traces)
+    first = traces[0].step
+    edges = first - 0.5 + np.arange(len(traces) + 1)
+    shown = np.arange(len(traces)) <= upto  # later steps have not happened yet
+    layers = {"decode": [s["decode"] for s in split], "whole": [s["prefill"] - s["chunk"] for s in split],
+              "chunk": [s["chunk"] for s in split], "padding": [s["padding"] for s in split]}
+    # One StepPatch per layer (not a bar per step), so thousands of steps stay cheap to draw.
+    bottom = np.zeros(len(traces))
+    for key, label, color in _STRIP_LAYERS:
+        values = np.array(layers[key], dtype=float)
+        if key != "decode" and not values.any():
+            continue  # a layer this run never had stays out of the picture and the legend
+        top = bottom + values * shown
+        ax.stairs(top, edges, baseline=bottom, fill=True, color=color, label=label, linewidth=0)
+        bottom = top
+
+    # The y axis fits the whole run, so it stays still while the player steps.
+    highest = max(sum(s.values()) - s["chunk"] for s in split)  # "chunk" is part of "prefill"
+    if budget is not None and budget <= 2 * max(highest, 1):
+        ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget: {budget} tokens")
+        highest = max(highest, budget)
+    elif budget is not None:  # far above every step: a line would flatten the columns
+        ax.text(0.99, 0.95, f"budget {budget} tokens: above the scale", transform=ax.transAxes,
+                ha="right", va="top", fontsize=8)
+    top = 1.12 * max(highest, 1)
+    ax.set_ylim(0, top)
+    ax.set_xlim(edges[0], edges[-1])
+    if current is not None:
+        ax.add_patch(Rectangle((first + upto - 0.5, 0), 1, top, fill=False, edgecolor="black",
+                               linewidth=1.5, zorder=4))
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens")
+    if legend:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
+def plot_timeline(traces: list[StepTrace], ax=None, title: str | None = None, *, current: int | None = None,
+                  budget: int | None = None, strip: bool = True):
+    """The slot timeline as a figure: one cell per (slot, step), coloured by request, and
+    under it the token strip (draw_token_strip, with `budget`) unless `strip` is False.
+    Given an `ax`, the timeline alone goes there (the caller owns the layout)."""
     if ax is None:
         num_slots = max(len(t.slots) for t in traces) if traces else 1
-        _, ax = _new_figure(True, figsize=(11, min(8.0, 1.5 + 0.3 * num_slots)))
+        height = min(8.0, 1.5 + 0.3 * num_slots)
+        if not strip:
+            _, ax = _new_figure(True, figsize=(11, height))
+        else:
+            _, (ax, strip_ax) = _new_figure(True, figsize=(11, height + 1.6), nrows=2, ncols=1,
+                                            height_ratios=[height, 1.6])
+            draw_timeline(ax, traces, title=title, current=current, strip_ax=strip_ax, budget=budget)
+            return ax.figure
     draw_timeline(ax, traces, title=title, current=current)
     return ax.figure
 
@@ -467,13 +591,17 @@ class StepPlayer:
     marks shared and cached-free blocks (see plot_block_map).
     """
 
-    def __init__(self, traces: list[StepTrace], static_traces: list[StepTrace] | None = None):
+    def __init__(self, traces: list[StepTrace], static_traces: list[StepTrace] | None = None,
+                 budget: int | None = None):
+        """budget: the token budget the strip under the timeline draws (None: the traces' own)."""
         import ipywidgets as widgets
 
         if not traces:
             raise ValueError("StepPlayer needs at least one StepTrace; got an empty list")
         self.traces = list(traces)
         self.static_traces = list(static_traces) if static_traces else None
+        self.budget = _token_budget(self.traces, budget)
+        self._split = token_split(self.traces)
         # The slider spans the longer run; the shorter one stays on its last step.
         last = max(len(self.traces), len(self.static_traces or [])) - 1
         self._frames: dict[tuple[str, int], bytes] = {}  # (picture, trace index) -> PNG
@@ -543,6 +671,11 @@ class StepPlayer:
             "shared_blocks": list(trace.shared_blocks),
             "cached_free_blocks": list(trace.cached_free_blocks),  # the next to be evicted first
             "cached_tokens": self._cached_tokens(index),  # admitted so far: rid -> prompt tokens from the cache
+            # The strip's column for this step: prompt tokens include the chunks.
+            "decode_tokens": self._split[index]["decode"],
+            "prefill_tokens": self._split[index]["prefill"],
+            "chunk_tokens": self._split[index]["chunk"],
+            "token_budget": self.budget,
         }
 
     def _frame(self, picture: str, index: int) -> bytes:
@@ -563,13 +696,17 @@ class StepPlayer:
                         else "continuous batching" if self.static_traces else "")
                 num_slots = max(len(t.slots) for t in traces)
                 height = min(6.0, 1.6 + 0.28 * num_slots)
-                fig = Figure(figsize=(10, height), dpi=80)
-                fig.subplots_adjust(left=0.06, right=0.72, bottom=0.55 / height, top=1 - 0.4 / height)
-                ax = fig.add_subplot()
-                draw_timeline(ax, traces, current=index,
+                strip = 1.4  # inches for the token strip under the timeline
+                fig = Figure(figsize=(10, height + strip), dpi=80)
+                fig.subplots_adjust(left=0.06, right=0.72, bottom=0.55 / (height + strip),
+                                    top=1 - 0.4 / (height + strip), hspace=0.35)
+                ax, strip_ax = fig.subplots(2, 1, height_ratios=[height - 0.95, strip - 0.3])
+                draw_timeline(ax, traces, current=index, strip_ax=strip_ax,
+                              budget=self.budget if picture == "timeline" else None,
                               title=f"{name} step {traces[index].step} of {len(traces) - 1}".strip())
                 # Both timelines span the slider's range, so the same step sits at the same x.
-                ax.set_xlim(traces[0].step - 0.5, traces[0].step + self.slider.max + 0.5)
+                for axes in (ax, strip_ax):
+                    axes.set_xlim(traces[0].step - 0.5, traces[0].step + self.slider.max + 0.5)
             buffer = io.BytesIO()
             fig.savefig(buffer, format="png")
             self._frames[key] = buffer.getvalue()
@@ -603,8 +740,12 @@ class StepPlayer:
             blocks += f" ({len(trace.cached_free_blocks)} of them cached)"
         if trace.shared_blocks:
             blocks += f", {len(trace.shared_blocks)} shared"
+        tokens = (f"{state['decode_tokens']} decode + {state['prefill_tokens']} prompt"
+                  + (f" ({state['chunk_tokens']} in chunks)" if state["chunk_tokens"] else "")
+                  + (f" of {state['token_budget']}" if state["token_budget"] else ""))
         return (f"<div style='font-family:monospace;min-width:260px'><b>step {trace.step}</b>"
-                f"<table>{body}<tr><td><b>KV blocks</b></td><td>{blocks}</td></tr></table></div>")
+                f"<table>{body}<tr><td><b>KV blocks</b></td><td>{blocks}</td></tr>"
+                f"<tr><td><b>tokens</b></td><td>{tokens}</td></tr></table></div>")
 
     def _show(self, value: int) -> None:
         index = min(value, len(self.traces) - 1)

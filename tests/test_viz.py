@@ -5,6 +5,7 @@ engines do (same fields, same meaning), so these tests need no model and run in
 about a second. The continuous one is sized so its run has evictions, refills and
 a preemption.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,7 +15,8 @@ os.environ.setdefault("MPLBACKEND", "Agg")  # before anything imports pyplot
 import numpy as np
 import pytest
 
-from minicb import viz
+from minicb import LLM, SamplingParams, viz
+from minicb.model import random_model
 from minicb.trace import SlotState, StepTrace, load_traces, save_traces
 
 # (prompt_len, output_len, ends_with_stop_token) per request; request id = index.
@@ -267,7 +269,8 @@ def pixel(image, ax, x, y) -> np.ndarray:
 def test_plot_timeline_cells_take_request_colors(continuous):
     fig = viz.plot_timeline(continuous, title="toy")
     ax = fig.axes[0]
-    assert len(fig.axes) == 1 and ax.get_title() == "toy"
+    assert len(fig.axes) == 2 and ax.get_title() == "toy", "the timeline, then the token strip under it"
+    assert len(viz.plot_timeline(continuous, strip=False).axes) == 1
     image = render(fig)
     # step 0, slot 0: r0's prefill, in the darker shade; a later decode of the same slot is lighter
     want = np.round(np.array(viz.request_color(continuous[0].slots[0].request_id, prefill=True)) * 255)
@@ -315,7 +318,7 @@ def test_traces_survive_a_json_round_trip(continuous, tmp_path):
     assert loaded == continuous
     text = viz.timeline_text(continuous, color=False, width=500)
     assert viz.timeline_text(loaded, color=False, width=500) == text
-    assert len(viz.plot_timeline(loaded).axes) == 1
+    assert len(viz.plot_timeline(loaded).axes) == 2
 
 
 # ---------------------------------------------------------------- the widget
@@ -538,3 +541,122 @@ def test_step_player_block_map_of_a_caching_run(caching_run):
         widths.add(int.from_bytes(image[16:20], "big"))  # PNG header: width
     plain = viz.StepPlayer(simulate_continuous(REQUESTS)).block_image.value
     assert widths == {int(9.2 * 80)} and int.from_bytes(plain[16:20], "big") == 7 * 80, (widths, plain[16:20])
+# ---------------------------------------------------------------- the token strip
+
+def test_token_split_by_hand():
+    # hand_trace: whole prompts only (each admitted, then decoding or done); step 3 computed
+    # 4 tokens for 3 useful ones, so 1 is padding.
+    got = [(s["decode"], s["prefill"], s["chunk"], s["padding"]) for s in viz.token_split(hand_trace())]
+    assert got == [(0, 5, 0, 0), (2, 0, 0, 0), (0, 2, 0, 0), (1, 2, 0, 1)], got
+
+
+def test_token_split_static_counts_padding_and_wasted_rows(static):
+    for trace, split in zip(static, viz.token_split(static)):
+        assert split["chunk"] == 0, f"step {trace.step}: static batching never cuts a prompt"
+        assert split["decode"] + split["prefill"] + split["padding"] == trace.num_tokens, (trace, split)
+    # Batch (r0, r1): prompts of 3 and 2 padded to 3, so 1 padding token; then r0's wasted rows.
+    assert viz.token_split(static)[0]["padding"] == 1 and viz.token_split(static)[4]["padding"] == 1
+
+
+def run_long_prompt(chunked: bool) -> tuple[list[StepTrace], int]:
+    """chapter 08's picture on the tiny model: three requests decode while a 60-token prompt
+    arrives. With chunking and a budget of 8 the prompt is cut into 12 chunks of 5."""
+    llm = LLM.from_model(random_model(seed=5), block_size=4, max_num_seqs=4, enable_chunked_prefill=chunked,
+                         max_num_batched_tokens=8 if chunked else 4096)
+    decoding = SamplingParams(max_tokens=24, ignore_eos=True)
+    for i in range(3):
+        llm.engine.add_request([5 + i, 6, 7], decoding)
+    for _ in range(3):
+        llm.engine.step()
+    long_id = llm.engine.add_request(list(range(10, 70)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    return list(llm.engine.traces), long_id
+
+
+@pytest.fixture(scope="module")
+def long_prompt_runs():
+    return {chunked: run_long_prompt(chunked) for chunked in (True, False)}
+
+
+def strip_layers(strip_ax) -> dict[str, np.ndarray]:
+    """label -> the height each step's column gives that layer of the strip."""
+    from matplotlib.patches import StepPatch
+
+    layers = {}
+    for patch in strip_ax.patches:
+        if isinstance(patch, StepPatch):
+            values, _, baseline = patch.get_data()
+            layers[patch.get_label()] = np.asarray(values) - np.asarray(baseline)
+    return layers
+
+
+def slot_sums(traces, phase) -> list[int]:
+    return [sum(s.num_tokens for s in t.slots if s.phase == phase) for t in traces]
+
+
+def test_strip_heights_are_each_steps_decode_and_prefill_tokens(long_prompt_runs):
+    traces, long_id = long_prompt_runs[True]
+    fig = viz.plot_timeline(traces, budget=8)
+    layers = strip_layers(fig.axes[1])
+    assert set(layers) == {"decode (1 token a request)", "whole prompt", "prompt chunk"}, set(layers)
+    decode, prompts = layers["decode (1 token a request)"], layers["whole prompt"] + layers["prompt chunk"]
+    assert decode.tolist() == slot_sums(traces, "decode")
+    assert prompts.tolist() == slot_sums(traces, "prefill")
+    # While the long prompt is cut, every column is 3 decodes + a chunk of 5: the budget, full.
+    cut = [i for i, t in enumerate(traces) if any(s.request_id == long_id and s.phase == "prefill" for s in t.slots)]
+    assert len(cut) == 12, f"the 60-token prompt should take 12 steps, took {len(cut)}"
+    assert [(decode[i], layers["prompt chunk"][i], layers["whole prompt"][i]) for i in cut] == [(3, 5, 0)] * 12
+    assert (decode + prompts).max() <= 8
+    budget_lines = [line for line in fig.axes[1].get_lines() if line.get_label() == "budget: 8 tokens"]
+    assert len(budget_lines) == 1 and list(budget_lines[0].get_ydata()) == [8, 8]
+    # And it is what the eye sees: decode blue at the bottom of a cut step, chunk orange above.
+    image, ax, step = render(fig), fig.axes[1], traces[cut[5]].step
+    for y, (key, _, color) in ((1.5, viz._STRIP_LAYERS[0]), (6, viz._STRIP_LAYERS[2])):
+        want = np.round(np.array(color) * 255)
+        assert np.abs(pixel(image, ax, step, y) - want).max() <= 3, (key, pixel(image, ax, step, y), want)
+
+
+def test_strip_of_whole_admission_has_one_tall_column(long_prompt_runs):
+    traces, long_id = long_prompt_runs[False]
+    layers = strip_layers(viz.plot_timeline(traces).axes[1])
+    assert "prompt chunk" not in layers, "whole-prompt admission cuts nothing"
+    whole = layers["whole prompt"]
+    admitted = next(i for i, t in enumerate(traces) if long_id in t.admitted)
+    assert whole[admitted] == 60 and layers["decode (1 token a request)"][admitted] == 3
+    assert whole.tolist() == slot_sums(traces, "prefill")
+    # A budget far above every column is named, not drawn (a line would flatten the columns).
+    fig = viz.plot_timeline(traces, budget=4096)
+    assert not [line for line in fig.axes[1].get_lines() if "budget" in line.get_label()]
+    assert any("4096" in text.get_text() for text in fig.axes[1].texts)
+
+
+def test_strip_reads_the_budget_the_traces_recorded(long_prompt_runs):
+    traces, _ = long_prompt_runs[True]
+    assert {t.token_budget for t in traces} == {8}, "the engine records its max_num_batched_tokens in every trace"
+    labels = [line.get_label() for line in viz.plot_timeline(traces).axes[1].get_lines()]
+    assert "budget: 8 tokens" in labels, labels
+    unknown = [dataclasses.replace(t, token_budget=0) for t in traces]
+    assert not [l for l in viz.plot_timeline(unknown).axes[1].get_lines() if "budget" in l.get_label()], \
+        "no budget given and none recorded: no line"
+    with pytest.raises(ValueError, match="budget"):
+        viz.plot_timeline(traces, budget=0)
+
+
+def test_step_player_state_has_the_steps_token_split(long_prompt_runs):
+    traces, long_id = long_prompt_runs[True]
+    player = viz.StepPlayer(traces, budget=8)
+    decode, prefill = slot_sums(traces, "decode"), slot_sums(traces, "prefill")
+    cut = next(i for i, t in enumerate(traces) if any(s.request_id == long_id for s in t.slots))
+    for k in (0, cut, cut + 4, len(traces) - 1):
+        player.step = k
+        state = player.state()
+        assert (state["decode_tokens"], state["prefill_tokens"]) == (decode[k], prefill[k]), (k, state)
+        assert state["token_budget"] == 8
+    player.step = cut + 4
+    assert (player.state()["decode_tokens"], player.state()["prefill_tokens"], player.state()["chunk_tokens"]) == (3, 5, 5)
+    assert "3 decode + 5 prompt (5 in chunks) of 8" in player.queues.value
+    # The budget the traces recorded, without being told; none recorded: the key is there, None.
+    assert viz.StepPlayer(traces).state()["token_budget"] == 8
+    unknown = [dataclasses.replace(t, token_budget=0) for t in long_prompt_runs[False][0]]
+    assert viz.StepPlayer(unknown).state()["token_budget"] is None
