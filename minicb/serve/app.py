@@ -77,6 +77,7 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop.warm_up()  # before the first request: compiles kernels (blocks startup, not a user)
         loop.start(asyncio.get_running_loop())
         metrics.engine_state(engine)
         try:

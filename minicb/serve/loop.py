@@ -150,6 +150,19 @@ class EngineLoop:
 
     # ---- the event-loop side ----------------------------------------------------------
 
+    def warm_up(self) -> None:
+        """Run one tiny request through the engine before serving (on the caller's thread).
+
+        The first prefill and decode compile kernels (Numba's CPU decode, Triton's
+        on a GPU) and allocate; that can take seconds, and the first user should not
+        wait for it. Call before start().
+        """
+        if self._thread is not None:
+            raise RuntimeError("warm_up() must run before start(): only one thread may touch the engine")
+        self.engine.add_request([0, 0], SamplingParams(max_tokens=2, ignore_eos=True))
+        while self.engine.has_unfinished():
+            self.engine.step()
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="minicb-engine", daemon=True)
@@ -182,12 +195,26 @@ class EngineLoop:
             self._leave_queue(handle)
         self.inbox.put(("abort", handle, completion))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort every request still waiting or running, tell their handles, and end the thread
-        (the second half of a graceful shutdown; `drain` is the first)."""
+    def close(self) -> None:
+        """Abort every request still waiting or running and end the thread, without waiting for it.
+
+        The second half of a graceful shutdown (`drain` is the first): each aborted
+        request's handle gets Finished(..., "abort"), so its stream still ends with a
+        last chunk and [DONE] rather than a cut connection.
+        """
         self._stopping = True
         if self._thread is not None and self._thread.is_alive():
             self.inbox.put(("stop", None, None))
+
+    def close_after(self, seconds: float) -> None:
+        """close() in `seconds`, on the event loop. Safe to call from any thread (a signal handler)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.call_later, seconds, self.close)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """close(), then wait for the engine thread to end."""
+        self.close()
+        if self._thread is not None:
             self._thread.join(timeout)
 
     def subscribe(self, maxsize: int = 2000) -> asyncio.Queue:

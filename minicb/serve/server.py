@@ -13,15 +13,17 @@ Open http://127.0.0.1:8000/ for the live dashboard. Any OpenAI client works:
 
 Shutting down (Ctrl-C or SIGTERM) happens in two halves. First the server
 drains: it stops listening, refuses new requests, closes dashboard pages, and
-lets running requests finish, for up to --shutdown-timeout seconds. Then
-whatever is still running is cancelled: each such request is aborted in the
-engine, the engine thread ends, and the process exits.
+lets running requests finish, for most of --shutdown-timeout seconds. Then
+whatever is still waiting or running is aborted in the engine: its stream ends
+with finish_reason "abort" and [DONE] (a plain request gets its answer so far),
+the engine thread ends, and the process exits. A second Ctrl-C quits at once.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import pathlib
+import signal
 import socket
 import sys
 import threading
@@ -74,7 +76,12 @@ def make_server(app, host: str, port: int | None = None, shutdown_timeout: float
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            app.state.loop.drain()  # refuse new requests, end the dashboard streams
+            if not self.should_exit:
+                engine_loop = app.state.loop
+                engine_loop.drain()  # refuse new requests, end the dashboard streams
+                # Abort what still runs a little before uvicorn's own deadline, so that
+                # those streams end with finish_reason "abort" and [DONE], not a cut connection.
+                engine_loop.close_after(max(0.0, shutdown_timeout - min(1.0, shutdown_timeout / 4)))
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=host, port=port or 8000, log_level=log_level,
@@ -92,7 +99,7 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, shutdown_timeou
 
     port 0 picks a free port (the socket is bound here, before uvicorn starts, so
     the URL is known and no other process can take the port in between). On exit
-    the server drains and stops as on Ctrl-C, and the thread is joined.
+    the server shuts down as on SIGTERM (the same handler runs), and the thread is joined.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,8 +118,7 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, shutdown_timeou
     try:
         yield f"http://{host}:{port}"
     finally:
-        app.state.loop.drain()
-        server.should_exit = True
+        server.handle_exit(signal.SIGTERM, None)  # what a SIGTERM does: drain, wait, abort the rest
         thread.join(shutdown_timeout + 10)
         sock.close()
 
