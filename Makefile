@@ -1,7 +1,7 @@
 # minicb: two commands do everything.
 #   make demo   set up .venv (first time only) and run the demo
 #   make test   set up .venv (first time only) and run the whole suite, notebooks included
-# Other targets: setup, notebooks, bench, browser-check, gpu-bundle, gpu-check, clean.
+# Other targets: setup, notebooks, bench, browser-check, dashboard-check, gpu-bundle, gpu-check, clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +19,7 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 # Per-notebook time limit (seconds) when the suite executes notebooks/*.ipynb.
 NOTEBOOK_TIMEOUT ?= 300
 
-.PHONY: setup demo test notebooks bench browser-check gpu-bundle gpu-check clean
+.PHONY: setup demo test notebooks bench browser-check dashboard-check gpu-bundle gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,17 +38,18 @@ demo: setup
 # The whole suite: unit tests, real-model tests, and every notebook executed
 # top to bottom. pytest exits non-zero on failure and on "no tests collected";
 # --durations shows where the suite's time goes.
-# Then the real-browser check of the chapter 06 notebook, when Chromium is
-# installed (MINICB_BROWSER_CHECK=1 forces it, installing Chromium if it can;
-# MINICB_BROWSER_CHECK=0 skips it).
+# Then the real-browser checks, when Chromium is installed: the chapter 06
+# notebook in JupyterLab, and the server's live dashboard
+# (MINICB_BROWSER_CHECK=1 forces them, installing Chromium if it can;
+# MINICB_BROWSER_CHECK=0 skips them).
 BROWSER_CHECK ?= $(or $(MINICB_BROWSER_CHECK),$(if $(wildcard /usr/bin/chromium),1,0))
 
 test: setup
 	$(PY) -m pytest tests notebooks --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) -p no:cacheprovider --durations=15
 	@if [ "$(BROWSER_CHECK)" = 1 ]; then \
-		$(MAKE) browser-check; \
+		$(MAKE) browser-check && $(MAKE) dashboard-check; \
 	else \
-		echo "browser-check skipped (no /usr/bin/chromium, or MINICB_BROWSER_CHECK=0); make browser-check installs Chromium and runs it"; \
+		echo "browser-check and dashboard-check skipped (no /usr/bin/chromium, or MINICB_BROWSER_CHECK=0); make browser-check installs Chromium and runs it"; \
 	fi
 
 notebooks: setup
@@ -59,6 +60,10 @@ bench: setup
 
 browser-check: setup
 	bash tools/browser_check.sh
+
+# `python -m minicb serve` with its dashboard at / in headless Chromium: slots fill, a slot is refilled.
+dashboard-check: setup
+	bash tools/dashboard_check.sh
 
 # What gpu-check needs on an offline CUDA machine, into build/gpu-bundle (60 MiB at
 # most): SmolLM2's config and tokenizer, the real model's answer lengths, and the

@@ -1,9 +1,11 @@
-"""The command line: python -m minicb {generate, demo, bench, check}.
+"""The command line: python -m minicb {generate, demo, bench, check, serve, bench-serve}.
 
     python -m minicb generate "What is the capital of France?"   # stream an answer
     python -m minicb demo                                         # static vs continuous batching, side by side
     python -m minicb bench                                        # minicb vs HF transformers
     python -m minicb check 3                                      # grade chapter 3's exercise
+    python -m minicb serve --port 8000                            # the OpenAI API, /metrics, a dashboard at /
+    python -m minicb bench-serve --url http://127.0.0.1:8000      # load-test any OpenAI-compatible server
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     # One subcommand per job. The module docstring doubles as the help's epilog,
     # so `--help` shows the same examples this file opens with.
-    sub = ap.add_subparsers(dest="command", metavar="{generate,demo,bench,check}")
+    sub = ap.add_subparsers(dest="command", metavar="{generate,demo,bench,check,serve,bench-serve}")
 
     g = sub.add_parser("generate", help="stream an answer to one prompt (chat template applied)")
     g.add_argument("prompt")
@@ -74,12 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--png", default="build/demo_timeline.png")
 
-    # These two parse their own arguments (python -m minicb bench --help), so the
+    # These parse their own arguments (python -m minicb bench --help), so the
     # rest of the command line is handed to them untouched.
     sub.add_parser("bench", help="throughput and latency: minicb engines vs HF transformers", add_help=False)
     sub.add_parser("check", help="run a chapter's tests against your exercise file", add_help=False)
+    sub.add_parser("serve", help="serve the model over HTTP (OpenAI API, /metrics, dashboard)", add_help=False)
+    sub.add_parser("bench-serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
+                   add_help=False)
     args, rest = ap.parse_known_args(argv)
-    if args.command in ("generate", "demo", "bench"):
+    if args.command in ("generate", "demo", "bench", "serve"):
         # Triton must know before its first import whether to interpret (no GPU) or compile.
         from minicb.triton_mode import choose_triton_mode
         choose_triton_mode()
@@ -90,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from minicb.check import main as check_main
         return check_main(rest)
+    if args.command == "serve":
+        from minicb.serve.server import main as serve_main
+        return serve_main(rest)
+    if args.command == "bench-serve":
+        from minicb.bench.serve import main as bench_serve_main
+        return bench_serve_main(rest)
     # Heavy imports (torch, transformers) happen inside each command, so
     # `python -m minicb --help` answers at once.
     if rest:

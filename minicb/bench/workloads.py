@@ -58,10 +58,16 @@ class Request:
         return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos)
 
 
-def chat_requests(tokenizer, num_prompts: int, max_tokens: int) -> list[Request]:
+def chat_conversations(num_prompts: int) -> list[list[dict]]:
+    """The chat workload's conversations: one user message each, the first `num_prompts` bundled prompts.
+    `python -m minicb bench-serve` sends these very messages to a server, which applies its template."""
     from minicb.data import load_chat_prompts
-    return [Request(tokenizer.apply_chat_template([{"role": "user", "content": text}]), max_tokens)
-            for text in load_chat_prompts(num_prompts)]
+    return [[{"role": "user", "content": text}] for text in load_chat_prompts(num_prompts)]
+
+
+def chat_requests(tokenizer, num_prompts: int, max_tokens: int) -> list[Request]:
+    return [Request(tokenizer.apply_chat_template(conversation), max_tokens)
+            for conversation in chat_conversations(num_prompts)]
 
 
 def shared_prefix_requests(tokenizer, num_prompts: int, max_tokens: int) -> list[Request]:

@@ -1,0 +1,144 @@
+"""`python -m minicb serve`: load the model, build the app, run it on uvicorn.
+
+    python -m minicb serve                                  # SmolLM2 on http://127.0.0.1:8000
+    python -m minicb serve --port 8001 --max-num-seqs 16 --enable-prefix-caching
+    python -m minicb serve --help                           # every option
+
+Open http://127.0.0.1:8000/ for the live dashboard. Any OpenAI client works:
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.chat.completions.create(model="SmolLM2-135M-Instruct",
+                                   messages=[{"role": "user", "content": "Hi!"}])
+
+Shutting down (Ctrl-C or SIGTERM) happens in two halves. First the server
+drains: it stops listening, refuses new requests, closes dashboard pages, and
+lets running requests finish, for most of --shutdown-timeout seconds. Then
+whatever is still waiting or running is aborted in the engine: its stream ends
+with finish_reason "abort" and [DONE] (a plain request gets its answer so far),
+the engine thread ends, and the process exits. A second Ctrl-C quits at once.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import signal
+import socket
+import sys
+import threading
+import time
+
+from minicb.cli_args import add_engine_args, add_model_args
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded model's name in /v1/models
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m minicb serve",
+                                 description="Serve a model over HTTP: the OpenAI API, /metrics and a live "
+                                             "dashboard at /.")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    add_model_args(ap)
+    add_engine_args(ap)
+    ap.add_argument("--served-model-name", default=None,
+                    help=f"the model's id in the API (default: {DEFAULT_MODEL_NAME}, or the model file's name)")
+    ap.add_argument("--max-waiting", type=int, default=256,
+                    help="requests that may wait for their first token; more get 503 + Retry-After (default 256)")
+    ap.add_argument("--shutdown-timeout", type=float, default=10.0,
+                    help="seconds running requests get to finish on Ctrl-C / SIGTERM before they are aborted")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    args = ap.parse_args(argv)
+    for name in ("port", "max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")
+    return args
+
+
+def model_name(model: str | None) -> str:
+    return DEFAULT_MODEL_NAME if model is None else pathlib.Path(model).name.removesuffix(".gguf")
+
+
+def build_llm(args):
+    """The LLM the server runs: one step's trace kept (the dashboard draws it), nothing more."""
+    from minicb.llm import LLM
+
+    return LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+               num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, attention=args.attention,
+               max_num_batched_tokens=args.max_num_batched_tokens, keep_traces=1,
+               enable_prefix_caching=args.enable_prefix_caching)
+
+
+def make_server(app, host: str, port: int | None = None, shutdown_timeout: float = 10.0, log_level: str = "info"):
+    """A uvicorn Server whose first Ctrl-C / SIGTERM also drains the engine loop (see the module's text)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                engine_loop = app.state.loop
+                engine_loop.drain()  # refuse new requests, end the dashboard streams
+                # Abort what still runs a little before uvicorn's own deadline, so that
+                # those streams end with finish_reason "abort" and [DONE], not a cut connection.
+                engine_loop.close_after(max(0.0, shutdown_timeout - min(1.0, shutdown_timeout / 4)))
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port or 8000, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
+    return DrainingServer(config)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0,
+                    log_level: str = "warning", start_timeout: float = 60.0):
+    """Run `app` on a background thread for the length of a `with` block; yields its base URL.
+
+        with serve_in_thread(create_app(llm, "tiny")) as url:
+            httpx.get(url + "/health")
+
+    port 0 picks a free port (the socket is bound here, before uvicorn starts, so
+    the URL is known and no other process can take the port in between). On exit
+    the server shuts down as on SIGTERM (the same handler runs), and the thread is joined.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    server = make_server(app, host, port, shutdown_timeout, log_level)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minicb-uvicorn", daemon=True)
+    thread.start()
+    began = time.monotonic()
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() - began > start_timeout:
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError(f"the server did not start on {host}:{port} within {start_timeout} s")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.handle_exit(signal.SIGTERM, None)  # what a SIGTERM does: drain, wait, abort the rest
+        thread.join(shutdown_timeout + 10)
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from minicb.serve.app import create_app
+
+    try:
+        llm = build_llm(args)
+    except (ValueError, RuntimeError, FileNotFoundError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or model_name(args.model)
+    app = create_app(llm, name, max_waiting=args.max_waiting)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (dashboard: http://{args.host}:{args.port}/)",
+          flush=True)
+    make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
