@@ -199,3 +199,28 @@ def test_smollm2_conversation_and_full_hit_equal_caching_off(smollm2):
         assert hits[0] == 0 and hits[1] == full and hits[3] > hits[2] > full - 16, (
             f"n={n}: cached tokens per request {hits}; the repeat should hit {full} (all full blocks but the "
             f"last token's) and each later turn more than the one before")
+
+
+@pytest.mark.slow
+@pytest.mark.task("all")
+def test_smollm2_n_1_on_pools_that_force_preemption_equal_caching_off(smollm2):
+    model, tokenizer, _ = smollm2
+    from minicb.bench.workloads import SYSTEM_PROMPT
+    from minicb.data import load_chat_prompts
+
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                              {"role": "user", "content": q}]) for q in load_chat_prompts(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    blocks = [-(-len(p) // 4) for p in prompts]  # blocks of 4 for each prompt alone
+    shared = min(len(p) for p in prompts) // 4 - 2  # about the system prompt's full blocks
+    # Caching off: room for two prompts at once, not for both to grow by 12 tokens.
+    # Caching on: the system prompt once, the four prompts' own tails, and little more.
+    pools = {False: max(blocks) + min(blocks) + 2, True: shared + 4 * (max(blocks) - shared) + 2}
+    runs = {}
+    for caching, num_blocks in pools.items():
+        llm = LLM.from_model(model, tokenizer, enable_prefix_caching=caching, max_num_seqs=4, block_size=4,
+                             num_blocks=max(num_blocks, max(blocks) + 4))
+        runs[caching] = llm.generate(prompts, params, use_tqdm=False)
+        preempted = sum(len(t.preempted) for t in llm.traces)
+        assert preempted > 0, f"caching={caching}, {num_blocks} blocks: the pool should force preemption"
+    assert_same_tokens(runs[True], runs[False], "SmolLM2, n = 1, tight pools")
