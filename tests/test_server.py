@@ -384,3 +384,14 @@ def test_models_health_metrics_and_dashboard_feed():
         assert metric(text, "minicb_prompt_tokens_total") == 3
         assert metric(text, "minicb_time_to_first_token_seconds_count") == 1
         assert metric(text, "minicb_inter_token_latency_seconds_count") == 29
+
+
+def test_metrics_count_cached_blocks_with_prefix_caching():
+    with tiny_server(max_num_seqs=4, enable_prefix_caching=True) as (url, _), \
+            httpx.Client(base_url=url, timeout=20) as client:
+        prompt = list(range(10, 50))  # 40 tokens: two full blocks of 16, computed once, then kept
+        for _ in range(2):
+            assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}).status_code == 200
+        text = client.get("/metrics").text
+        assert metric(text, "minicb_kv_blocks_used") == 0
+        assert metric(text, "minicb_kv_blocks_cached") >= 2
