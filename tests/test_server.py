@@ -202,6 +202,16 @@ def test_engine_loop_abort_takes_effect_before_the_next_step():
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+def wait_until_aborted_and_free(client: httpx.Client, max_tokens: int) -> None:
+    """Through /metrics: one abort, nothing running, no KV block used, and far fewer than max_tokens generated."""
+    def settled():
+        text = client.get("/metrics").text
+        idle = metric(text, "minicb_requests_running") == 0 and metric(text, "minicb_kv_blocks_used") == 0
+        return text if idle and metric(text, "minicb_completions_finished_total", 'reason="abort"') == 1 else None
+    text = wait_for(settled, 10, "the request to be aborted and its blocks freed")
+    assert metric(text, "minicb_generation_tokens_total") < max_tokens, "it was stopped, not run to max_tokens"
+
+
 def test_client_disconnecting_mid_stream_aborts_the_request():
     with tiny_server(max_num_seqs=4) as (url, _), httpx.Client(base_url=url, timeout=10) as client:
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True}
@@ -211,16 +221,17 @@ def test_client_disconnecting_mid_stream_aborts_the_request():
                 seen += line.startswith("data: ")
                 if seen == 3:
                     break  # hang up mid-stream: closing the response closes the connection
-        scrape = lambda: client.get("/metrics").text  # noqa: E731
-
-        def settled():
-            text = scrape()
-            idle = metric(text, "minicb_requests_running") == 0 and metric(text, "minicb_kv_blocks_used") == 0
-            return text if idle and metric(text, "minicb_completions_finished_total", 'reason="abort"') == 1 else None
-        text = wait_for(settled, 10, "the request to be aborted and its blocks freed")
-        assert metric(text, "minicb_generation_tokens_total") < 480, "it was stopped, not run to max_tokens"
+        wait_until_aborted_and_free(client, 480)
         assert client.get("/health").json() == {"status": "ok"}
         assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}).status_code == 200
+
+
+def test_client_giving_up_on_a_whole_answer_aborts_the_request():
+    with tiny_server(max_num_seqs=4) as (url, _), httpx.Client(base_url=url, timeout=10) as client:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 480, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and closes the connection
+            httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+        wait_until_aborted_and_free(client, 480)
 
 
 # ---- bad requests: 400 in OpenAI's shape, and the server keeps serving ----------------------------------
@@ -279,7 +290,10 @@ def test_overload_answers_503_with_retry_after():
         long = {"prompt": [5, 6, 7, 8], "max_tokens": 500, "ignore_eos": True, "stream": True}
         short = {"prompt": [9, 10], "max_tokens": 3, "stream": True}
         with client.stream("POST", "/v1/completions", json=long) as running:
-            next(line for line in running.iter_lines() if line.startswith("data: "))  # it holds the one slot
+            # Keep the line iterator: a dropped one is closed by the garbage collector, and
+            # closing it closes the connection, which would abort the request.
+            lines = running.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it holds the one slot
             with client.stream("POST", "/v1/completions", json=short) as b, \
                     client.stream("POST", "/v1/completions", json=short) as c:
                 assert b.status_code == c.status_code == 200  # both queued: 2 waiting, the limit
@@ -370,3 +384,14 @@ def test_models_health_metrics_and_dashboard_feed():
         assert metric(text, "minicb_prompt_tokens_total") == 3
         assert metric(text, "minicb_time_to_first_token_seconds_count") == 1
         assert metric(text, "minicb_inter_token_latency_seconds_count") == 29
+
+
+def test_metrics_count_cached_blocks_with_prefix_caching():
+    with tiny_server(max_num_seqs=4, enable_prefix_caching=True) as (url, _), \
+            httpx.Client(base_url=url, timeout=20) as client:
+        prompt = list(range(10, 50))  # 40 tokens: two full blocks of 16, computed once, then kept
+        for _ in range(2):
+            assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}).status_code == 200
+        text = client.get("/metrics").text
+        assert metric(text, "minicb_kv_blocks_used") == 0
+        assert metric(text, "minicb_kv_blocks_cached") >= 2

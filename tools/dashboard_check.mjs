@@ -11,7 +11,7 @@
 //      (the × and + of the timeline, counted in the page's data-finished / data-refills);
 //   5. once every request has ended: the page counted them all, and its block map comes
 //      back to 0 blocks used;
-//   6. never a JavaScript error on the page.
+//   6. never a JavaScript error on the page, and its request colours are minicb.viz's.
 // Screenshots go to build/screenshots/09-dashboard-*.png. Any failure exits non-zero with a
 // message saying what.
 //
@@ -29,6 +29,7 @@ const { values: options } = parseArgs({
     out: { type: 'string', default: 'build/screenshots' },
     requests: { type: 'string', default: '10' },
     'max-tokens': { type: 'string', default: '40' },
+    colors: { type: 'string', default: '{}' }, // {"id,prefill": "rgb(r,g,b)"} from minicb.viz.request_color
   },
 });
 if (!options.url) {
@@ -157,6 +158,13 @@ try {
 
   // ---- 6. no JavaScript errors --------------------------------------------------------------------
   if (pageErrors.length) fail(`the page raised JavaScript errors:\n${pageErrors.join('\n')}`);
+  const expected = JSON.parse(options.colors);
+  for (const [key, want] of Object.entries(expected)) {
+    const [id, prefill] = key.split(',').map(Number);
+    const got = await page.evaluate(([i, p]) => requestColor(i, p === 1), [id, prefill]);
+    if (got !== want) fail(`request ${id}${prefill ? ' (prefill)' : ''} is ${got} on the page but ${want} in minicb.viz`);
+  }
+  if (Object.keys(expected).length) log(`${Object.keys(expected).length} request colours match minicb.viz's`);
   log('OK: slots filled, a finished request\'s slot was refilled, every block came back');
 } catch (error) {
   exitCode = 1;

@@ -81,7 +81,10 @@ for attempt in $(seq 1 "$START_TIMEOUT"); do
 done
 say "server is up"
 
-timeout 600 node tools/dashboard_check.mjs --url "http://127.0.0.1:$PORT" --out build/screenshots \
+# minicb.viz's request colours, for the page's to be compared with (as CSS rgb() strings).
+COLORS="$("$PY" -c 'import json; from minicb.viz import request_color as c
+print(json.dumps({f"{i},{int(p)}": "rgb({},{},{})".format(*(round(x * 255) for x in c(i, p))) for i in range(8) for p in (0, 1)}))')"
+timeout 600 node tools/dashboard_check.mjs --url "http://127.0.0.1:$PORT" --out build/screenshots --colors "$COLORS" \
     || die "the dashboard check failed (exit $?); screenshots in build/screenshots/, the server's log in $LOG"
 say "screenshots:"
 ls -1 build/screenshots/09-dashboard-*.png

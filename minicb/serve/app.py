@@ -16,7 +16,8 @@ In this file you will learn the life of a request in a server, in order:
 4. **Follow.** ServedRequest (minicb/serve/request.py) yields each step's
    deltas. A streaming request sends them as server-sent events as they come
    (`data: {chunk}` ... `data: [DONE]`); a plain one gathers them into one answer.
-   Either way, a client that disconnects has its request aborted.
+   Either way, a client that disconnects has its request aborted: however the
+   response ends, `ServedRequest.close()` runs after it and frees what is left.
 
 Everything here runs on the event loop's thread and never blocks it: the
 engine steps on its own thread.
@@ -36,6 +37,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minicb.sampling import SamplingParams
@@ -111,6 +113,14 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
                 message += f" (got {error['input']!r})"
         metrics.rejected_request(400)
         return APIError(400, message, param, code=error.get("type")).response()
+
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, e: EngineError):
+        return APIError(500, str(e), kind="server_error", code="engine_failed").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):  # a bug: still OpenAI's shape (uvicorn logs the traceback)
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -209,6 +219,7 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
+            served.close()
         if work.cancelled():
             raise asyncio.CancelledError  # nobody is left to read an answer
         work.result()  # re-raises an engine failure
@@ -271,7 +282,8 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
                 return p.CompletionResponse(id=rid, created=created, model=model_name, choices=choices).model_dump()
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(stream(served, chunk, None, include_usage, req.return_token_ids),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(served.close))
         texts, ids = await gather(served, request)
         choices = [p.CompletionChoice(index=i, text=texts[i], finish_reason=served.finish_reasons[i],
                                       stop_reason=served.stop_reasons[i], token_ids=ids_if(ids[i]))
@@ -308,7 +320,8 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
                 for i in range(params.n)]
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(stream(served, chunk, first, include_usage, req.return_token_ids),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(served.close))
         texts, ids = await gather(served, request)
         choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=texts[i]),
                                 finish_reason=served.finish_reasons[i], stop_reason=served.stop_reasons[i],

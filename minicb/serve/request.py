@@ -55,10 +55,22 @@ class ServedRequest:
         self.texts = [CompletionText(decode, stop) for _ in range(n)]
         self.finish_reasons: list[str | None] = [None] * n
         self.stop_reasons: list[int | str | None] = [None] * n
+        self.closed = False  # aborted on the way out (close)
 
     @property
     def done(self) -> bool:
         return all(reason is not None for reason in self.finish_reasons)
+
+    def close(self) -> None:
+        """Abort whatever of the request still runs in the engine; safe to call twice.
+
+        `deltas()` does this itself when it is left early, but a generator that never
+        started (a client that hung up before the first byte) runs no `finally`, so the
+        route calls this too once the response is over, whatever happened.
+        """
+        if not self.done and not self.closed:
+            self.closed = True
+            self.loop.abort(self.handle)
 
     def usage(self) -> tuple[int, int]:
         return len(self.handle.prompt_token_ids), sum(len(t.token_ids) for t in self.texts)
@@ -80,8 +92,7 @@ class ServedRequest:
                         self._finish(event, delta)
                 yield list(deltas.values())
         finally:
-            if not self.done:  # the client went away, or something failed: free the engine's slots now
-                self.loop.abort(self.handle)
+            self.close()  # if the client went away or something failed: free the engine's slots now
 
     def _take_token(self, event: Token, delta: Delta) -> None:
         text = self.texts[event.completion]

@@ -48,8 +48,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="requests that may wait for their first token; more get 503 + Retry-After (default 256)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds running requests get to finish on Ctrl-C / SIGTERM before they are aborted")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's choice); as for `python -m minicb bench`, 1 can be "
+                         "much faster on a CPU shared with other jobs")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = ap.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads={args.threads}; it must be >= 1")
     for name in ("port", "max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")
@@ -127,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     from minicb.serve.app import create_app
 
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)  # one pool for the process: the engine thread uses it
     try:
         llm = build_llm(args)
     except (ValueError, RuntimeError, FileNotFoundError, TypeError) as e:
