@@ -93,6 +93,23 @@ def _compiled_kernel():
     return decode_kernel
 
 
+def set_num_threads(n: int) -> None:
+    """Run torch's CPU ops and this kernel on n threads (the --threads flag of bench and serve).
+
+    Numba keeps a thread pool of its own, so torch.set_num_threads alone leaves this
+    kernel on every core. On a CPU shared with other jobs one thread each is often
+    faster: a parallel loop waits for its slowest thread.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"threads={n!r}; give a whole number >= 1")
+    torch.set_num_threads(n)
+    try:
+        import numba
+    except ImportError:
+        return
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
 def applies_to(q: torch.Tensor) -> bool:
     """Whether the engine decodes q with this kernel: fp32 on the CPU, Numba present, not switched off."""
     if os.environ.get("MINICB_CPU_DECODE", "compiled") == "gather":

@@ -8,6 +8,7 @@ import json
 import math
 import time
 
+import numba
 import pytest
 import torch
 
@@ -249,7 +250,7 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
     model = random_model()
     save_checkpoint(tmp_path / "tiny", model.config, model.state_dict())
     out = tmp_path / "bench" / "bench.json"
-    threads = torch.get_num_threads()
+    threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
     try:
         # Poisson arrivals take every engine through its arrival-handling path; the
         # tiny model has no tokenizer, so the prompts are random token ids with EOS ignored.
@@ -259,6 +260,7 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
                            "--engines", ",".join(runners.ENGINES)])
     finally:
         torch.set_num_threads(threads)
+        numba.set_num_threads(numba_threads)
     assert code == 0
     report = json.loads(out.read_text())
     rows = report["workloads"]["poisson"]["engines"]

@@ -8,6 +8,7 @@ budget, and a smaller budget takes more steps.
 import importlib.util
 import re
 
+import numba
 import pytest
 import torch
 
@@ -26,11 +27,12 @@ def sweep():
 
 def test_quick_sweep_writes_a_sane_table_and_a_plot(sweep, tmp_path, capsys):
     out = tmp_path / "sweep" / "budget.png"
-    threads = torch.get_num_threads()
-    try:
-        assert sweep.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
+    threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
+    try:  # two rounds in turns: the medians' path
+        assert sweep.main(["--quick", "--threads", "1", "--repeats", "2", "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
+        numba.set_num_threads(numba_threads)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = "\n".join(line for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("|"))
     assert table in capsys.readouterr().out, "the table printed is the table saved"
@@ -53,7 +55,7 @@ def test_quick_sweep_writes_a_sane_table_and_a_plot(sweep, tmp_path, capsys):
 
 
 def test_bad_budgets_are_refused(sweep):
-    for bad in (["--budgets", "64,x"], ["--budgets", "0,64"], ["--max-tokens", "1"]):
+    for bad in (["--budgets", "64,x"], ["--budgets", "0,64"], ["--max-tokens", "1"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             sweep.parse_args(["--quick", *bad])
     args = sweep.parse_args(["--budgets", "256,32,32"])

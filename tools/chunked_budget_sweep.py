@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import random
+import statistics
 import sys
 import time
 
@@ -38,6 +39,7 @@ from minicb.bench.metrics import summarize_timings
 from minicb.bench.runners import kv_blocks_for, run_minicb_continuous
 from minicb.bench.workloads import Request, long_prompt_requests, poisson_arrivals, random_requests
 from minicb.cli_args import add_model_args
+from minicb.cpu_attention import set_num_threads
 from minicb.llm import LLM
 
 DEFAULTS = {"num_prompts": 24, "max_tokens": 64, "rate": 1.0, "slots": 8, "budgets": "32,64,128,256,512"}
@@ -57,7 +59,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--budgets", help=f"comma-separated max_num_batched_tokens values (default {DEFAULTS['budgets']})")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0, help="seeds the arrival times (and --quick's prompts)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch and the compiled decode (default: every core)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every setting this many times, in turns, and report medians (default 1)")
     ap.add_argument("--out", default="build/chunked-budget/chunked-budget.png",
                     help="the plot; the markdown table goes beside it with the suffix .md")
     ap.add_argument("--quick", action="store_true",
@@ -70,7 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.budgets = sorted({int(b) for b in args.budgets.split(",")})
     except ValueError:
         ap.error(f"--budgets {args.budgets!r}: give whole numbers separated by commas, e.g. 64,256")
-    for name in ("num_prompts", "max_tokens", "slots", "block_size", "threads"):
+    for name in ("num_prompts", "max_tokens", "slots", "block_size", "threads", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")
     if args.max_tokens < 2:
@@ -92,8 +96,13 @@ def quick_requests(vocab_size: int, num_prompts: int, max_tokens: int, seed: int
 
 
 def sweep(model, tokenizer, requests: list[Request], arrivals: list[float], budgets: list[int], slots: int,
-          block_size: int) -> list[dict]:
-    """One row per run: whole-prompt admission (budget None), then each budget."""
+          block_size: int, repeats: int = 1) -> list[dict]:
+    """One row per setting: whole-prompt admission (budget None), then each budget.
+
+    With repeats > 1 the settings run in turns (whole, 32, 64, ..., whole, 32, ...),
+    so a burst of load from another job on a shared machine hits every setting
+    alike, and each figure in a row is the median over its runs (the lower middle one of an even count).
+    """
     num_blocks = kv_blocks_for(requests, slots, block_size)
 
     def engine(budget: int | None) -> LLM:
@@ -106,18 +115,24 @@ def sweep(model, tokenizer, requests: list[Request], arrivals: list[float], budg
     for budget in (None, budgets[0]):
         run_minicb_continuous(engine(budget), warm, None, progress=False)
 
-    rows, whole_tokens = [], None
-    for budget in [None, *budgets]:
-        llm = engine(budget)
-        start = time.perf_counter()
-        result = run_minicb_continuous(llm, requests, arrivals, progress=False)
-        whole_tokens = whole_tokens or result.token_ids
-        rows.append({"budget": budget, **summarize_timings(result.timings),
-                     "largest_step": max(t.num_tokens for t in llm.traces), "steps": len(llm.traces),
-                     "same_as_whole": sum(a == b for a, b in zip(result.token_ids, whole_tokens)),
-                     "run_s": time.perf_counter() - start})
-        print(f"  {'whole' if budget is None else f'budget {budget}'}: {rows[-1]['run_s']:.1f} s", flush=True)
-    return rows
+    settings = [None, *budgets]
+    runs: dict[int | None, list[dict]] = {budget: [] for budget in settings}
+    whole_tokens = None
+    for turn in range(repeats):
+        for budget in settings:
+            llm = engine(budget)
+            start = time.perf_counter()
+            result = run_minicb_continuous(llm, requests, arrivals, progress=False)
+            whole_tokens = whole_tokens or result.token_ids
+            runs[budget].append({**summarize_timings(result.timings),
+                                 "largest_step": max(t.num_tokens for t in llm.traces), "steps": len(llm.traces),
+                                 "same_as_whole": sum(a == b for a, b in zip(result.token_ids, whole_tokens)),
+                                 "run_s": time.perf_counter() - start})
+            print(f"  round {turn + 1}/{repeats}, {'whole' if budget is None else f'budget {budget}'}: "
+                  f"{runs[budget][-1]['run_s']:.1f} s", flush=True)
+    # Token agreement must hold in every run, so it is the worst run's, not the median's.
+    return [{"budget": budget, **{key: statistics.median_low(run[key] for run in runs[budget]) for key in runs[budget][0]},
+             "same_as_whole": min(run["same_as_whole"] for run in runs[budget])} for budget in settings]
 
 
 def markdown_table(rows: list[dict], num_requests: int) -> str:
@@ -131,15 +146,16 @@ def markdown_table(rows: list[dict], num_requests: int) -> str:
 
 
 def plot(rows: list[dict], title: str, path: pathlib.Path) -> None:
-    """ITL p99 (left) and TTFT mean (right) against the budget, whole admission as a dashed line."""
+    """ITL p99, TTFT mean and throughput against the budget, whole admission as a dashed line."""
     from matplotlib.figure import Figure  # a bare Figure: no pyplot, no backend to choose
 
     whole, chunked = rows[0], rows[1:]
     budgets = [r["budget"] for r in chunked]
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    fig = Figure(figsize=(14, 4), layout="constrained")
     panels = (("itl_p99_s", 1e3, "ITL p99, ms (a streaming reader's worst waits)"),
-              ("ttft_mean_s", 1.0, "TTFT mean, s"))
-    for ax, (key, scale, label) in zip(fig.subplots(1, 2), panels):
+              ("ttft_mean_s", 1.0, "TTFT mean, s"),
+              ("output_tok_s", 1.0, "output tokens/s"))
+    for ax, (key, scale, label) in zip(fig.subplots(1, 3), panels):
         ax.plot(budgets, [r[key] * scale for r in chunked], marker="o", label="chunked prefill")
         ax.axhline(whole[key] * scale, color="black", linestyle="--", label="whole-prompt admission")
         ax.set_xscale("log", base=2)
@@ -157,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_num_threads(args.threads)
     if args.quick:
         from minicb.model import random_model
 
@@ -174,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     arrivals = poisson_arrivals(len(requests), args.rate, args.seed)
     longest = max(len(r.prompt_ids) for r in requests)
     title = (f"{what}, {args.dtype}, {model.device}, {torch.get_num_threads()} threads: {len(requests)} requests "
-             f"(longest prompt {longest} tokens) at {args.rate:g}/s, {args.slots} slots, EOS or {args.max_tokens} tokens")
+             f"(longest prompt {longest} tokens) at {args.rate:g}/s, {args.slots} slots, EOS or {args.max_tokens} tokens"
+             + (f"; medians of {args.repeats} runs in turns" if args.repeats > 1 else ""))
     print(title, flush=True)
-    rows = sweep(model, tokenizer, requests, arrivals, args.budgets, args.slots, args.block_size)
+    rows = sweep(model, tokenizer, requests, arrivals, args.budgets, args.slots, args.block_size, args.repeats)
 
     table = markdown_table(rows, len(requests))
     print("\n" + table)

@@ -28,6 +28,7 @@ from minicb.bench.runners import (DEFAULT_ENGINES, ENGINES, check_minicb_agrees,
                                   run_workload, serve_in_batches)
 from minicb.bench.workloads import WORKLOADS, Request, build_requests
 from minicb.cli_args import add_model_args
+from minicb.cpu_attention import set_num_threads
 from minicb.llm import LLM
 
 
@@ -57,7 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "random weights, whose answers have no natural end)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's choice). On a CPU shared with other jobs, 1 can be "
+                    help="CPU threads for torch and the compiled decode (default: every core). On a CPU shared with other jobs, 1 can be "
                          "many times faster: a parallel op waits for its slowest thread")
     ap.add_argument("--out", default="build/bench/bench.json", help="JSON path; bench.md and bench.png go beside it")
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 prompts, 16 tokens")
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_num_threads(args.threads)
     from minicb.tokenizer import load_tokenizer
     from minicb.weights import load_model, resolve_checkpoint
 

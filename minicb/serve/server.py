@@ -49,7 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds running requests get to finish on Ctrl-C / SIGTERM before they are aborted")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's choice); as for `python -m minicb bench`, 1 can be "
+                    help="CPU threads for torch and the compiled decode (default: every core); as for `python -m minicb bench`, 1 can be "
                          "much faster on a CPU shared with other jobs")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = ap.parse_args(argv)
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     from minicb.serve.app import create_app
 
     if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)  # one pool for the process: the engine thread uses it
+        from minicb.cpu_attention import set_num_threads
+        set_num_threads(args.threads)  # one pool for the process: the engine thread uses it
     try:
         llm = build_llm(args)
     except (ValueError, RuntimeError, FileNotFoundError, TypeError) as e:
