@@ -64,6 +64,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import Counter
 
 if __name__ == "__main__":  # the entry point decides, before anything imports triton (minicb/triton_mode.py)
     from minicb.triton_mode import choose_triton_mode
@@ -314,6 +315,26 @@ class DecodeGraphs:
         else:
             logits = self.forward(bucket, meta)
         return logits[:, :n]  # [1, n, V]: the padding rows' logits are dropped
+
+
+# ----------------------------------------------------------------------------
+# Counting what the host does: the notebook's operator count
+
+
+def operator_calls(fn) -> Counter:
+    """Run fn() once under torch.profiler -> how many times it called each PyTorch operator.
+
+    Only the outermost calls count (aten::linear calls aten::addmm inside it): each
+    is one trip through Python and PyTorch's dispatcher, and on a GPU most launch a
+    kernel (views such as aten::slice launch none).
+        operator_calls(lambda: runner.decode(seqs, allocator)) -> Counter({"aten::mul": 22, ...})
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return Counter(event.name for event in prof.events() if event.name.startswith("aten::")
+                   and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::")))
 
 
 # ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from minicb import paged_attention, triton_attention
-from minicb.cuda_graphs import runner_mode
+from minicb.cuda_graphs import operator_calls, runner_mode
 from minicb.engine import Engine, EngineConfig
 from minicb.model import random_model
 from minicb.paged_model import PagedAttention
@@ -62,6 +62,13 @@ def test_the_runner_adds_a_scratch_block_no_sequence_owns():
     engine = Engine(random_model(seed=0), EngineConfig(num_blocks=16, cuda_graphs=True))  # on the CPU
     assert engine.pool.num_blocks == 17 and engine.allocator.num_blocks == 16
     assert engine.graphs.scratch_block == 16 and engine.graphs.graphs == {}  # no graphs on a CPU
+
+
+def test_operator_calls_counts_the_outermost_calls_only():
+    x = torch.ones(2, 3)
+    calls = operator_calls(lambda: torch.nn.functional.linear(x * 2, torch.ones(4, 3)) + 1)
+    assert calls["aten::mul"] == 1 and calls["aten::linear"] == 1 and calls["aten::add"] == 1, calls
+    assert "aten::addmm" not in calls and "aten::mm" not in calls, f"linear's inner calls were counted: {calls}"
 
 
 # ---- a decode-only step, by hand --------------------------------------------------------
