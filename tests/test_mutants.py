@@ -153,12 +153,8 @@ MUTANTS = [
     # ---- chapter 10: the GPU step
     Mutant(10, 1, "the buckets leave out max_num_seqs when it is not a multiple of 8", "batch_buckets",
            [("sizes.add(max_num_seqs)", "pass")], DECODE_GRAPHS_SUBCLASS),
-    Mutant(10, 1, "a step that fills a bucket exactly is sent to the next one", "smallest_bucket",
-           [("b >= num_seqs", "b > num_seqs")], DECODE_GRAPHS_SUBCLASS),
     Mutant(10, 2, "padding rows write their K/V into slot 0, a real sequence's block", "pad_decode_inputs",
            [("scratch_slot = scratch_block * block_size", "scratch_slot = 0")], DECODE_GRAPHS_SUBCLASS),
-    Mutant(10, 2, "a real row's context length leaves out its own new token", "pad_decode_inputs",
-           [("[p + 1 for p in positions]", "list(positions)")], DECODE_GRAPHS_SUBCLASS),
 ]
 
 
