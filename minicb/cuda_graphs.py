@@ -46,7 +46,15 @@ different number of tokens every time, and runs eagerly, as before.
 
 On a CPU there are no graphs: with `capture=False` the same runner fills the
 same static buffers, pads to the same buckets and runs the forward eagerly. The
-tests check the padding that way, on the CPU (tests/test_cuda_graphs.py).
+tests check the padding that way, on the CPU (tests/test_cuda_graphs.py and
+tests/test_ch10_*.py).
+
+The chapter's exercise is the three functions the runner calls: `batch_buckets`
+and `smallest_bucket` (task 1, which graphs to capture and which one a step
+replays) and `pad_decode_inputs` (task 2, a step's rows padded to its bucket).
+The runner reaches them through three one-line methods (`buckets_up_to`,
+`bucket_for`, `pad`), so the engine, which loads this module through
+`impl.load("cuda_graphs")`, runs a student's functions inside the same runner.
 
 `python -m minicb.cuda_graphs` times decode steps with and without graphs
 (batch 32, SmolLM2's shape, bf16, on CUDA; tiny shapes on a CPU, eagerly).
@@ -56,6 +64,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import Counter
 
 if __name__ == "__main__":  # the entry point decides, before anything imports triton (minicb/triton_mode.py)
     from minicb.triton_mode import choose_triton_mode
@@ -69,17 +78,65 @@ from minicb.paged_model import AttentionMetadata, PagedAttention  # noqa: E402
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """The batch sizes that get a graph: 1, 2, 4, 8, then every 8 up to max_num_seqs, and max_num_seqs.
+    """Task 1: the batch sizes that get a graph: 1, 2, 4, 8, then every 8 up to max_num_seqs, and max_num_seqs.
 
     Small batches double (a graph per size would be many graphs for little gain);
     past 8 the steps are 8 rows, so a step pads at most 7 rows.
+        batch_buckets(32) -> [1, 2, 4, 8, 16, 24, 32]      batch_buckets(20) -> [1, 2, 4, 8, 16, 20]
     """
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs={max_num_seqs}; it must be >= 1")
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs!r}; it must be an int >= 1")
     sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs}
     sizes.update(range(16, max_num_seqs, 8))
     sizes.add(max_num_seqs)
     return sorted(sizes)
+
+
+def smallest_bucket(buckets: list[int], num_seqs: int) -> int | None:
+    """Task 1: the smallest of `buckets` (sorted, ascending) that holds num_seqs rows; None if none does."""
+    if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < 1:
+        raise ValueError(f"num_seqs={num_seqs!r}; a decode step has at least 1 sequence")
+    return next((b for b in buckets if b >= num_seqs), None)
+
+
+def pad_decode_inputs(token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
+                      bucket: int, scratch_block: int, block_size: int,
+                      max_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Task 2: the host inputs of a decode step of n sequences, padded to `bucket` rows.
+
+    token_ids, positions, slots: n ints each, one per sequence (its last token, that
+    token's position, the pool slot its K/V go to); block_tables: n lists of block ids.
+    Returns two CPU tensors, what the runner copies into its static buffers:
+      inputs [4, bucket] int64: rows token ids, positions, slots, context lengths
+                                (a real row's context is position + 1 tokens);
+      tables [bucket, max_blocks] int32: each real row's block table, then scratch_block
+                                to the end of the row.
+    A padding row (rows n .. bucket - 1) is harmless: token 0 at position 0, context 1,
+    its slot the scratch block's first (scratch_block * block_size), its table all
+    scratch_block. ValueError naming the value: n < 1, n > bucket, lists of different
+    lengths, a block table longer than max_blocks.
+    """
+    n = len(token_ids)
+    if n < 1:
+        raise ValueError("no sequences: a decode step pads 1 or more rows")
+    if not len(positions) == len(slots) == len(block_tables) == n:
+        raise ValueError(f"{n} token ids, {len(positions)} positions, {len(slots)} slots and {len(block_tables)} "
+                         f"block tables; a decode step needs one of each per sequence")
+    if n > bucket:
+        raise ValueError(f"{n} sequences do not fit bucket={bucket}; it must be >= the number of sequences")
+    longest = max(len(table) for table in block_tables)
+    if longest > max_blocks:
+        raise ValueError(f"a block table of {longest} blocks is longer than max_blocks={max_blocks}")
+    pad = bucket - n
+    scratch_slot = scratch_block * block_size
+    inputs = torch.tensor([list(token_ids) + [0] * pad,
+                           list(positions) + [0] * pad,
+                           list(slots) + [scratch_slot] * pad,
+                           [p + 1 for p in positions] + [1] * pad], dtype=torch.int64)  # [4, bucket]
+    tables = torch.full((bucket, max_blocks), scratch_block, dtype=torch.int32)  # [bucket, max_blocks]
+    tables[:n, :longest] = torch.tensor([t + [scratch_block] * (longest - len(t)) for t in block_tables],
+                                        dtype=torch.int32)
+    return inputs, tables
 
 
 def runner_mode(setting: bool | None, device: torch.device, kernels) -> str | None:
@@ -120,7 +177,7 @@ class DecodeGraphs:
             raise ValueError(f"scratch_block={scratch_block} is not a block of the pool (num_blocks "
                              f"{pool.num_blocks}); make the pool one block larger than the allocator")
         self.model, self.pool, self.kernels = model, pool, kernels
-        self.buckets = batch_buckets(max_num_seqs)
+        self.buckets = self.buckets_up_to(max_num_seqs)
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * pool.block_size  # every padding row writes here
         # Block tables are padded to the longest table a sequence can have, so that
@@ -141,11 +198,22 @@ class DecodeGraphs:
         if capture:
             self.capture()
 
-    # ---- what a step needs --------------------------------------------------------------
+    # ---- the chapter's three functions (an exercise file's DecodeGraphs calls its own) --------
+
+    def buckets_up_to(self, max_num_seqs: int) -> list[int]:
+        return batch_buckets(max_num_seqs)
 
     def bucket_for(self, num_seqs: int) -> int | None:
         """The smallest bucket that holds num_seqs rows (None if none does)."""
-        return next((b for b in self.buckets if b >= num_seqs), None)
+        return smallest_bucket(self.buckets, num_seqs)
+
+    def pad(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
+            bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> inputs [4, bucket] int64, tables [bucket, max_blocks] int32 (pad_decode_inputs)."""
+        return pad_decode_inputs(token_ids, positions, slots, block_tables, bucket, self.scratch_block,
+                                 self.pool.block_size, self.max_blocks)
+
+    # ---- what a step needs --------------------------------------------------------------
 
     def takes(self, out) -> bool:
         """Whether a SchedulerOutput is a decode-only step that fits a bucket."""
@@ -206,17 +274,17 @@ class DecodeGraphs:
         """One decode-only step of `seqs` (each computes its last token) -> logits [1, len(seqs), V].
 
         1. the rows on the host: each sequence's last token, its position, its slot,
-           its block table, its context length; then padding rows up to the bucket
+           its block table
         2. check them against the pool, once (as PagedAttention does for an eager step)
-        3. copy them into the static buffers
+        3. pad them to the bucket (pad_decode_inputs) and copy them into the static buffers
         4. replay the bucket's graph (or, uncaptured, run the forward eagerly)
         The logits are a view of the graph's output: read them before the next step.
         """
         n = len(seqs)
-        bucket = self.bucket_for(n)
-        if bucket is None or n == 0:
+        bucket = self.bucket_for(n) if n else None
+        if bucket is None:
             raise ValueError(f"{n} sequences; the buckets hold 1 to {self.buckets[-1]}")
-        ids, positions, slots, tables, lens = [], [], [], [], []
+        ids, positions, slots, tables = [], [], [], []
         for seq in seqs:
             position = seq.num_computed_tokens  # the one token whose K/V are not stored yet
             if position != seq.num_tokens - 1:
@@ -226,23 +294,19 @@ class DecodeGraphs:
             positions.append(position)
             slots += allocator.slot_mapping(seq.request_id, position, position + 1)
             tables.append(allocator.block_table(seq.request_id))
-            lens.append(position + 1)
         pad = bucket - n
-        host_tables = tables + [[self.scratch_block]] * pad
-        meta = self.metadata(bucket, host_tables, lens + [1] * pad, max(slots + [self.scratch_slot]))
+        meta = self.metadata(bucket, tables + [[self.scratch_block]] * pad, [p + 1 for p in positions] + [1] * pad,
+                             max(slots + [self.scratch_slot]))
         meta.check_fits(self.pool.num_blocks, self.pool.block_size)
 
-        # Small inputs travel as one [4, bucket] int64 tensor; the tables as one [bucket, max_blocks].
-        packed = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad,
-                               lens + [1] * pad], dtype=torch.int64).to(self.model.device)
-        width = max(len(t) for t in tables)
-        table_rows = torch.full((bucket, self.max_blocks), self.scratch_block, dtype=torch.int32)
-        table_rows[:n, :width] = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables],
-                                              dtype=torch.int32)
-        self.input_ids[0, :bucket].copy_(packed[0])
-        self.positions[0, :bucket].copy_(packed[1])
-        self.slot_mapping[:bucket].copy_(packed[2])
-        self.context_lens[:bucket].copy_(packed[3])
+        # The padded rows, on the host: small inputs as one [4, bucket] int64 tensor, the
+        # tables as one [bucket, max_blocks]; then one copy each to the device.
+        inputs, table_rows = self.pad(ids, positions, slots, tables, bucket)
+        inputs = inputs.to(self.model.device)
+        self.input_ids[0, :bucket].copy_(inputs[0])
+        self.positions[0, :bucket].copy_(inputs[1])
+        self.slot_mapping[:bucket].copy_(inputs[2])
+        self.context_lens[:bucket].copy_(inputs[3])
         self.block_tables[:bucket].copy_(table_rows)
 
         if bucket in self.graphs:
@@ -251,6 +315,26 @@ class DecodeGraphs:
         else:
             logits = self.forward(bucket, meta)
         return logits[:, :n]  # [1, n, V]: the padding rows' logits are dropped
+
+
+# ----------------------------------------------------------------------------
+# Counting what the host does: the notebook's operator count
+
+
+def operator_calls(fn) -> Counter:
+    """Run fn() once under torch.profiler -> how many times it called each PyTorch operator.
+
+    Only the outermost calls count (aten::linear calls aten::addmm inside it): each
+    is one trip through Python and PyTorch's dispatcher, and on a GPU most launch a
+    kernel (views such as aten::slice launch none).
+        operator_calls(lambda: runner.decode(seqs, allocator)) -> Counter({"aten::mul": 22, ...})
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return Counter(event.name for event in prof.events() if event.name.startswith("aten::")
+                   and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::")))
 
 
 # ----------------------------------------------------------------------------

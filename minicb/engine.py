@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 import torch
 
 from minicb import impl
-from minicb.cuda_graphs import DecodeGraphs, runner_mode
 from minicb.model import Model
 from minicb.paged_attention import KVPool
 from minicb.paged_model import AttentionMetadata, PagedAttention, attention_kernels
@@ -114,11 +113,12 @@ class Engine:
         self.allocator = allocator
         # With the decode runner, the pool has one block more than the allocator hands out:
         # the scratch block, where the runner's padding rows write their K/V.
-        mode = runner_mode(ec.cuda_graphs, model.device, self.kernels)
+        graphing = impl.load("cuda_graphs")  # chapter 10's runner: buckets and padding
+        mode = graphing.runner_mode(ec.cuda_graphs, model.device, self.kernels)
         self.pool = KVPool(cfg.num_layers, num_blocks + (1 if mode else 0), ec.block_size, cfg.num_kv_heads,
                            cfg.head_dim, model.dtype, model.device)
-        self.graphs = (DecodeGraphs(model, self.pool, self.kernels, ec.max_num_seqs, scratch_block=num_blocks,
-                                    capture=mode == "graphs") if mode else None)
+        self.graphs = (graphing.DecodeGraphs(model, self.pool, self.kernels, ec.max_num_seqs,
+                                             scratch_block=num_blocks, capture=mode == "graphs") if mode else None)
         self.requests: dict[int, Sequence] = {}  # request_id -> its state, while it waits or runs
         keep = ec.keep_traces
         if keep is not None and (not isinstance(keep, int) or keep < 0):

@@ -45,6 +45,7 @@ CHAPTERS: dict[str, tuple[int, str]] = {
     "scheduler": (6, "06-continuous-batching"),
     "prefix_cache": (7, "07-prefix-caching"),
     "chunked_prefill": (8, "08-chunked-prefill"),
+    "cuda_graphs": (10, "10-the-gpu-step"),
 }
 
 

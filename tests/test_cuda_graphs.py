@@ -1,4 +1,4 @@
-"""The decode runner of minicb/cuda_graphs.py: buckets, padding, and the same outputs as without it.
+"""The decode runner of minicb/cuda_graphs.py: when the engine has one, and the same outputs as without it.
 
 A CPU has no CUDA graphs, so here the runner runs eagerly: the same static
 buffers, the same padding rows and scratch block, the same bucket choice; only
@@ -7,6 +7,10 @@ both attention backends (Triton interpreted). With MINICB_DEVICE=cuda (make
 gpu-check) the same tests capture and replay real graphs, with the Triton
 backend only (chapter 04's decode cannot be captured); the last test runs on a
 CUDA GPU only.
+
+The buckets and the padding rows are the chapter's exercise: their tests are
+tests/test_ch10_buckets.py and tests/test_ch10_padding.py (which import the
+helpers below), graded by `python -m minicb check 10`.
 """
 import random
 import types
@@ -15,7 +19,7 @@ import pytest
 import torch
 
 from minicb import paged_attention, triton_attention
-from minicb.cuda_graphs import DecodeGraphs, batch_buckets, runner_mode
+from minicb.cuda_graphs import operator_calls, runner_mode
 from minicb.engine import Engine, EngineConfig
 from minicb.model import random_model
 from minicb.paged_model import PagedAttention
@@ -31,24 +35,6 @@ def backend(request, device):
     if request.param == "torch" and device.startswith("cuda"):
         pytest.skip("on CUDA the runner captures graphs, which need the Triton decode (see runner_mode)")
     return request.param
-
-
-def test_buckets_by_hand():
-    assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
-    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
-    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert batch_buckets(8) == [1, 2, 4, 8]
-    assert batch_buckets(5) == [1, 2, 4, 5]
-    assert batch_buckets(1) == [1]
-    with pytest.raises(ValueError, match="max_num_seqs=0"):
-        batch_buckets(0)
-
-
-def test_bucket_for_picks_the_smallest_that_fits():
-    engine = Engine(random_model(seed=0), EngineConfig(max_num_seqs=32, cuda_graphs=True, num_blocks=16))
-    picks = {n: engine.graphs.bucket_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 31, 32, 33)}
-    assert picks == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 24, 24: 24, 25: 32, 31: 32, 32: 32,
-                     33: None}
 
 
 def test_when_the_engine_has_a_runner():
@@ -78,6 +64,13 @@ def test_the_runner_adds_a_scratch_block_no_sequence_owns():
     assert engine.graphs.scratch_block == 16 and engine.graphs.graphs == {}  # no graphs on a CPU
 
 
+def test_operator_calls_counts_the_outermost_calls_only():
+    x = torch.ones(2, 3)
+    calls = operator_calls(lambda: torch.nn.functional.linear(x * 2, torch.ones(4, 3)) + 1)
+    assert calls["aten::mul"] == 1 and calls["aten::linear"] == 1 and calls["aten::add"] == 1, calls
+    assert "aten::addmm" not in calls and "aten::mm" not in calls, f"linear's inner calls were counted: {calls}"
+
+
 # ---- a decode-only step, by hand --------------------------------------------------------
 
 
@@ -105,44 +98,6 @@ def changed_slots(before, after) -> set[tuple[int, int]]:
         diff = (old != new).flatten(2).any(dim=2)  # [num_blocks, block_size]
         changed |= {tuple(ix) for ix in diff.nonzero().tolist()}
     return changed
-
-
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
-def test_padding_rows_write_only_the_scratch_block(backend, device):
-    engine = decoding_engine(backend, device)
-    runner, seqs = engine.graphs, list(engine.scheduler.running)
-    assert runner.bucket_for(len(seqs)) == 4  # 3 sequences: one padding row
-    before = [c.clone() for c in engine.pool.k_caches + engine.pool.v_caches]
-    calls = []
-    decode = runner.decode
-    runner.decode = lambda *args: calls.append(len(args[0])) or decode(*args)
-    engine.step()
-    assert calls == [3], "the decode-only step should have gone through the runner"
-    # Each sequence's token of this step is now its last computed one.
-    real = {divmod(slot, 4) for seq in seqs for slot in engine.allocator.slot_mapping(
-        seq.request_id, seq.num_computed_tokens - 1, seq.num_computed_tokens)}
-    changed = changed_slots(before, engine.pool.k_caches + engine.pool.v_caches)
-    scratch = {(runner.scratch_block, 0)}
-    assert real <= changed, f"the real tokens' slots {sorted(real - changed)} were not written"
-    assert changed - real == scratch, (f"the step wrote outside its own slots and the scratch slot: "
-                                       f"{sorted(changed - real - scratch)}")
-    assert all(runner.scratch_block not in engine.allocator.block_table(s.request_id) for s in seqs)
-
-
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
-def test_padding_never_changes_a_real_rows_logits(backend, device):
-    engine = decoding_engine(backend, device)
-    runner, out = engine.graphs, engine.scheduler.schedule()  # a decode-only step: its slots are allocated
-    assert runner.takes(out) and len(out.decodes) == 3
-    want = eager_logits(engine, out.decodes)  # no padding at all: the engine without the runner
-    got = {}
-    for buckets in ([4], [8], [3]):  # 1 padding row, 5, none (on CUDA: replays of the 4 and 8 graphs, 3 eager)
-        runner.buckets = buckets
-        got[buckets[0]] = runner.decode(out.decodes, engine.allocator).clone()  # the same K/V written again
-    for bucket, logits in got.items():
-        assert logits.shape == want.shape
-        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"bucket {bucket}: {m}")
-        assert torch.equal(logits.argmax(-1), want.argmax(-1)), f"bucket {bucket}: greedy tokens changed"
 
 
 def test_steps_with_prompts_run_eagerly_and_decode_only_steps_use_the_runner():
@@ -211,7 +166,6 @@ def test_outputs_are_identical_with_the_runner_on_and_off(backend, device):
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
-
 def test_chunked_prefill_and_prefix_caching_work_with_the_runner(device):
     # Chunked steps mix decodes with prompt chunks and run eagerly; the decode-only
     # steps between them go through the runner. Tokens must not change.
@@ -227,6 +181,7 @@ def test_chunked_prefill_and_prefix_caching_work_with_the_runner(device):
                                             enable_prefix_caching=True))
         runs[graphs] = serve(engine, requests)
     assert runs[True] == runs[False], "chunked prefill with prefix caching: the runner changed the tokens"
+
 
 def test_the_forward_a_graph_captures_reads_nothing_on_the_host():
     if not triton_attention.INTERPRETED:

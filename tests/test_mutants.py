@@ -44,6 +44,20 @@ def run_static(model, prompts, params, batch_size=16, batch_runner=None):
     return _reference.run_static(model, prompts, params, batch_size, batch_runner=batch_runner or run_batch)
 """
 
+# The exercise's given runner, so the engine's decode steps run the mutated functions.
+DECODE_GRAPHS_SUBCLASS = """
+class DecodeGraphs(_reference.DecodeGraphs):
+    def buckets_up_to(self, max_num_seqs):
+        return batch_buckets(max_num_seqs)
+
+    def bucket_for(self, num_seqs):
+        return smallest_bucket(self.buckets, num_seqs)
+
+    def pad(self, token_ids, positions, slots, block_tables, bucket):
+        return pad_decode_inputs(token_ids, positions, slots, block_tables, bucket, self.scratch_block,
+                                 self.pool.block_size, self.max_blocks)
+"""
+
 MUTANTS = [
     # ---- chapter 01: naive generation
     Mutant(1, 1, "the no-cache loop samples from the first position's logits, not the last", "generate_no_cache",
@@ -136,6 +150,11 @@ MUTANTS = [
            [("torch.arange(context_len - q_len, context_len,", "torch.arange(0, q_len,")]),
     Mutant(8, 4, "the Triton wrapper tells the kernel one key fewer", "chunk_attention_triton",
            [("torch.tensor([context_len], **int32)", "torch.tensor([context_len - 1], **int32)")]),
+    # ---- chapter 10: the GPU step
+    Mutant(10, 1, "the buckets leave out max_num_seqs when it is not a multiple of 8", "batch_buckets",
+           [("sizes.add(max_num_seqs)", "pass")], DECODE_GRAPHS_SUBCLASS),
+    Mutant(10, 2, "padding rows write their K/V into slot 0, a real sequence's block", "pad_decode_inputs",
+           [("scratch_slot = scratch_block * block_size", "scratch_slot = 0")], DECODE_GRAPHS_SUBCLASS),
 ]
 
 

@@ -11,7 +11,8 @@
 #
 #   0. preflight   the bundle, the Python packages, the GPU
 #   1. tests       the engine's greedy tokens vs chapter 01's, Triton vs PyTorch, graphs vs
-#                  eager (tests/test_gpu_parity.py, tests/test_cuda_graphs.py), and the
+#                  eager (tests/test_gpu_parity.py, tests/test_cuda_graphs.py, the padding rows
+#                  of tests/test_ch10_padding.py), and the
 #                  kernels' own tests, with MINICB_DEVICE=cuda and compiled Triton
 #   2. kernel      the Triton decode kernels at batch 64 x ctx 4096, bf16: bandwidth as a share
 #                  of a measured device-to-device copy (python -m minicb.triton_attention)
@@ -94,8 +95,8 @@ if [ "$DRY" = 1 ]; then
     model_args=(--tiny)
     bench_size=(--num-prompts 4 --max-tokens 8 --slots 4 --hf-batch 2)
 else
-    tests=(tests/test_gpu_parity.py tests/test_cuda_graphs.py tests/test_ch05_triton_attention.py
-           tests/test_tile_attention.py)
+    tests=(tests/test_gpu_parity.py tests/test_cuda_graphs.py tests/test_ch10_padding.py
+           tests/test_ch05_triton_attention.py tests/test_tile_attention.py)
     model_args=()
     bench_size=(--num-prompts 64 --max-tokens 256 --slots 32 --hf-batch 16)
 fi
