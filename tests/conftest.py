@@ -87,7 +87,7 @@ def chapter01_answers(smollm2):
     return answers
 
 
-# ---- chapters 06 and 07: each task graded on its own -----------------------------------
+# ---- chapters 06 to 09: each task graded on its own -------------------------------------
 
 # The exercise's functions and methods, by task (chapters/NN-slug/exercise.py).
 TASK_FUNCTIONS = {
@@ -104,6 +104,7 @@ TASK_FUNCTIONS = {
         3: ["offset_causal_mask", "chunk_attention"],
         4: ["chunk_attention_triton"],
     },
+    "serve.loop": {1: ["group_step"], 2: ["take_commands", "apply_commands"]},
 }
 
 
