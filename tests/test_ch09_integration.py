@@ -48,8 +48,11 @@ def raise_engine_failure(app) -> None:
         raise app.state.loop.exception
 
 
+STREAMS_TIMEOUT_S = 15  # the tiny model serves all eight in about a second
+
+
 async def stream_all(url: str) -> list[tuple[int, list]]:
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=STREAMS_TIMEOUT_S) as client:
         async def one(i):
             async with client.stream("POST", "/v1/completions", json=body(i)) as response:
                 return response.status_code, sse_events([line async for line in response.aiter_lines()])
@@ -69,10 +72,15 @@ def hang_up_mid_stream(client: httpx.Client) -> None:
 
 @pytest.mark.task("all")
 def test_your_engine_thread_serves_concurrent_streams_and_frees_a_disconnected_request():
-    want = tiny_llm(max_num_seqs=4).generate(PROMPTS, [params(i) for i in range(len(PROMPTS))], use_tqdm=False)
     with tiny_server(max_num_seqs=4) as (url, app):
-        results = asyncio.run(asyncio.wait_for(stream_all(url), 60))
+        try:
+            results = asyncio.run(asyncio.wait_for(stream_all(url), STREAMS_TIMEOUT_S))
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            raise_engine_failure(app)
+            raise AssertionError(f"the eight streams had not all ended after {STREAMS_TIMEOUT_S} s: a completion "
+                                 f"that never gets its Finished event keeps its stream open") from None
         raise_engine_failure(app)
+        want = tiny_llm(max_num_seqs=4).generate(PROMPTS, [params(i) for i in range(len(PROMPTS))], use_tqdm=False)
         for i, ((status, events), w) in enumerate(zip(results, want)):
             assert status == 200, f"request {i}: HTTP {status}"
             assert events and events[-1] == "[DONE]", f"request {i}: the stream did not end with [DONE]"

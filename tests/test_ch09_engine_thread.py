@@ -64,6 +64,14 @@ def kinds(commands) -> list:
     return [(kind, None if h is None else h.id, c) for kind, h, c in commands] if isinstance(commands, list) else commands
 
 
+def show(mapping) -> dict:
+    """Handles by their id, for failure messages: {handle: events} -> {"handle 3": events}; owners likewise."""
+    if not isinstance(mapping, dict):
+        return mapping
+    return {(f"handle {k.id}" if isinstance(k, RequestHandle) else k):
+            ((f"handle {v[0].id}", v[1]) if isinstance(v, tuple) else v) for k, v in mapping.items()}
+
+
 def within(seconds: float, function, *args):
     """function(*args) on a thread; fail if it has not returned in `seconds` (it blocked)."""
     result, error = [], []
@@ -94,8 +102,8 @@ def test_tokens_are_grouped_per_handle_in_the_steps_order():
     out = StepOutput(new_tokens=[(11, 7), (10, 3), (12, 4), (99, 1)])  # 99: nobody's (aborted a moment ago)
     got = group_step(out, owners)
     want = {a: [Token(0, 3), Token(1, 4)], b: [Token(0, 7)]}
-    assert got == want, f"group_step gave {got}, want {want} (id 99 is not in owners: skip it)"
-    assert owners == {10: (a, 0), 11: (b, 0), 12: (a, 1)}, f"no request finished, yet owners became {owners}"
+    assert got == want, f"group_step gave {show(got)}, want {show(want)} (id 99 is not in owners: skip it)"
+    assert owners == {10: (a, 0), 11: (b, 0), 12: (a, 1)}, f"no request finished, yet owners became {show(owners)}"
     assert group_step(StepOutput(), owners) == {}, "an empty step gives no events, and no handle in the result"
 
 
@@ -108,8 +116,8 @@ def test_a_finished_completion_ends_after_its_last_token_and_leaves_owners():
                                                                         finished(77, "stop")])
     got = group_step(out, owners)
     want = {a: [Token(0, 3), Token(1, 4), Finished(1, "length")], b: [Token(0, 9), Finished(0, "stop")]}
-    assert got == want, f"group_step gave {got}, want {want}"
-    assert owners == {10: (a, 0)}, f"finished ids 11 and 12 must leave owners (77 was never there); left {owners}"
+    assert got == want, f"group_step gave {show(got)}, want {show(want)}"
+    assert owners == {10: (a, 0)}, f"finished ids 11 and 12 must leave owners (77 was never there); left {show(owners)}"
 
 
 @pytest.mark.task(1)
@@ -124,10 +132,10 @@ def test_forked_children_become_completions_1_to_n_minus_1_of_their_handle():
                      finished=[finished(8, "length")])
     got = group_step(out, owners)
     want = {a: [Token(0, 40), Token(1, 41), Token(2, 42)], b: [Token(0, 50), Token(1, 51), Finished(1, "length")]}
-    assert got == want, f"group_step gave {got}, want {want}"
+    assert got == want, f"group_step gave {show(got)}, want {show(want)}"
     assert a.request_ids == {0: 4, 1: 6, 2: 7}, f"handle a's request_ids: {a.request_ids}, want {{0: 4, 1: 6, 2: 7}}"
     assert b.request_ids == {0: 5, 1: 8}, f"handle b's request_ids: {b.request_ids}, want {{0: 5, 1: 8}}"
-    assert owners == {4: (a, 0), 5: (b, 0), 6: (a, 1), 7: (a, 2)}, f"owners after the step: {owners}"
+    assert owners == {4: (a, 0), 5: (b, 0), 6: (a, 1), 7: (a, 2)}, f"owners after the step: {show(owners)}"
 
 
 @pytest.mark.task(1)
@@ -136,7 +144,6 @@ def test_the_engines_steps_through_group_step_give_generates_tokens(tiny):
     prompts = [[5, 17, 99, 3], [200, 201], [9] * 13, [33, 34, 35]]
     params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=3),
               SamplingParams(n=3, temperature=0.9, seed=4, max_tokens=9), SamplingParams(max_tokens=20)]
-    want = LLM.from_model(tiny, block_size=4, num_blocks=64, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
     engine = engine_for(tiny)
     handles = [handle(p, sp) for p, sp in zip(prompts, params)]
     owners = {}
@@ -156,7 +163,8 @@ def test_the_engines_steps_through_group_step_give_generates_tokens(tiny):
                     tokens[i][e.completion].append(e.token_id)
                 else:
                     reasons[i][e.completion] = e.reason
-    assert not owners, f"every request finished, yet owners still holds {owners}"
+    assert not owners, f"every request finished, yet owners still holds {show(owners)}"
+    want = LLM.from_model(tiny, block_size=4, num_blocks=64, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
     for i, w in enumerate(want):
         for c in w.outputs:
             assert tokens[i][c.index] == c.token_ids, (f"prompt {i} completion {c.index}: "
@@ -208,7 +216,7 @@ def test_add_registers_completion_0_and_a_refused_add_fails_only_its_handle(tiny
     assert not applied.stop and applied.aborted == [], f"nothing was stopped or aborted: {applied}"
     rids = [good.request_ids.get(0), other.request_ids.get(0)]
     assert None not in rids, f"request_ids[0] must be set on every accepted handle: {good.request_ids}, {other.request_ids}"
-    assert owners == {rids[0]: (good, 0), rids[1]: (other, 0)}, f"owners: {owners}"
+    assert owners == {rids[0]: (good, 0), rids[1]: (other, 0)}, f"owners: {show(owners)}"
     assert engine.requests[rids[0]].arrival_time == 123.5, "pass the handle's arrival time to add_request"
     assert engine.requests[rids[1]].prompt_token_ids == [8, 9]
     assert list(applied.failed) == [bad] and len(applied.failed[bad]) == 1, f"failed: {applied.failed}"
@@ -231,7 +239,7 @@ def test_an_abort_frees_the_blocks_before_the_next_step(tiny):
     used = total - engine.allocator.num_free_blocks
     assert used > 0, "the two running requests hold blocks"
     applied = loop_module.apply_commands(engine, owners, [("abort", a, None)])
-    assert applied.aborted == [(a, 0)], f"aborted: {applied.aborted}, want [(a, 0)]"
+    assert applied.aborted == [(a, 0)], f"aborted: {[(h.id, c) for h, c in applied.aborted]}, want [(a, 0)]"
     rid = a.request_ids[0]
     assert rid not in owners and rid not in engine.requests, "the aborted request must leave owners and the engine"
     assert engine.scheduler.running and all(s.request_id != rid for s in engine.scheduler.running)
@@ -249,8 +257,8 @@ def test_a_submit_then_its_abort_in_one_batch_and_aborts_of_finished_requests_ar
     quick, gone = handle([5, 6], SamplingParams(max_tokens=1)), handle([7, 8, 9])
     applied = loop_module.apply_commands(engine, owners, [("add", quick, None), ("add", gone, None),
                                                           ("abort", gone, None)])
-    assert applied.aborted == [(gone, 0)], f"the abort after the add in the same batch: aborted {applied.aborted}"
-    assert list(owners.values()) == [(quick, 0)] and len(engine.requests) == 1, f"owners: {owners}"
+    assert applied.aborted == [(gone, 0)], f"the abort after the add in the same batch: aborted {[(h.id, c) for h, c in applied.aborted]}"
+    assert list(owners.values()) == [(quick, 0)] and len(engine.requests) == 1, f"owners: {show(owners)}"
     while engine.has_unfinished():
         loop_module.group_step(engine.step(), owners)
     assert owners == {}, "quick finished (max_tokens 1)"
@@ -263,7 +271,7 @@ def test_a_submit_then_its_abort_in_one_batch_and_aborts_of_finished_requests_ar
     loop_module.apply_commands(engine, owners, [("add", late, None)])
     engine.abort(late.request_ids[0])
     applied = loop_module.apply_commands(engine, owners, [("abort", late, None)])
-    assert applied.aborted == [] and owners == {}, f"aborted {applied.aborted}, owners {owners}"
+    assert applied.aborted == [] and owners == {}, f"aborted {[(h.id, c) for h, c in applied.aborted]}, owners {show(owners)}"
 
 
 @pytest.mark.task(2)
@@ -276,12 +284,12 @@ def test_one_completion_of_n_is_aborted_alone_and_stop_ends_the_batch(tiny):
         loop_module.group_step(engine.step(), owners)
     assert sorted(h.request_ids) == [0, 1, 2], f"the engine should have forked 3 completions: {h.request_ids}"
     applied = loop_module.apply_commands(engine, owners, [("abort", h, 1)])
-    assert applied.aborted == [(h, 1)], f"abort of completion 1 alone: aborted {applied.aborted}"
-    assert sorted(c for _, c in owners.values()) == [0, 2], f"completions 0 and 2 keep running: owners {owners}"
+    assert applied.aborted == [(h, 1)], f"abort of completion 1 alone: aborted {[(h.id, c) for h, c in applied.aborted]}"
+    assert sorted(c for _, c in owners.values()) == [0, 2], f"completions 0 and 2 keep running: owners {show(owners)}"
     assert set(engine.requests) == {h.request_ids[0], h.request_ids[2]}
     later = handle([1, 2])
     applied = loop_module.apply_commands(engine, owners, [("abort", h, None), ("stop", None, None),
                                                           ("add", later, None)])
     assert applied.stop, "a stop command must set applied.stop"
-    assert sorted(c for _, c in applied.aborted) == [0, 2], f"the abort before the stop: aborted {applied.aborted}"
+    assert sorted(c for _, c in applied.aborted) == [0, 2], f"the abort before the stop: aborted {[(h.id, c) for h, c in applied.aborted]}"
     assert later.request_ids == {} and not engine.has_unfinished(), "nothing after a stop is applied"
