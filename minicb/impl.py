@@ -18,6 +18,9 @@ scheduler). `check N` sets it to chapter N's module, so grading chapter 06 runs
 the student's scheduler on the reference block allocator and attention: one
 chapter's stubs never fail another chapter's grade.
 
+A chapter module may sit in a package: "serve.loop" is `minicb.serve.loop`,
+and a student's file for it is loaded as `minicb_student_serve_loop`.
+
 A file is executed once and then cached, so the engine can call `load()` every
 step for free. The cache is keyed on the file's path, modification time and
 size: save an edited file and the next `load()` runs the new version.
@@ -45,6 +48,7 @@ CHAPTERS: dict[str, tuple[int, str]] = {
     "scheduler": (6, "06-continuous-batching"),
     "prefix_cache": (7, "07-prefix-caching"),
     "chunked_prefill": (8, "08-chunked-prefill"),
+    "serve.loop": (9, "09-serving"),  # a module in a package: minicb.serve.loop
     "cuda_graphs": (10, "10-the-gpu-step"),
 }
 
@@ -61,6 +65,12 @@ def exercise_path(module: str) -> pathlib.Path:
     if module not in CHAPTERS:
         raise ValueError(f"unknown chapter module {module!r}; known: {sorted(CHAPTERS)}")
     return CHAPTERS_DIR / CHAPTERS[module][1] / "exercise.py"
+
+
+def student_module_name(module: str) -> str:
+    """The name a student's file for `module` is loaded under: "minicb_student_serve_loop" for "serve.loop".
+    No dot: a dotted name would make Python look for a package "minicb_student_serve"."""
+    return "minicb_student_" + module.replace(".", "_")
 
 
 def which() -> str:
@@ -134,7 +144,7 @@ def load(module: str) -> ModuleType:
         return importlib.import_module(f"minicb.{module}")
     override = os.environ.get("MINICB_IMPL_FILE")
     if override:
-        return load_file(override, f"minicb_student_{module}")
+        return load_file(override, student_module_name(module))
     if which() == "student":
-        return load_file(exercise_path(module), f"minicb_student_{module}")
+        return load_file(exercise_path(module), student_module_name(module))
     return importlib.import_module(f"minicb.{module}")

@@ -104,6 +104,7 @@ TASK_FUNCTIONS = {
         3: ["offset_causal_mask", "chunk_attention"],
         4: ["chunk_attention_triton"],
     },
+    "serve.loop": {1: ["group_step"], 2: ["take_commands", "apply_commands"]},
     "cuda_graphs": {1: ["batch_buckets", "smallest_bucket"], 2: ["pad_decode_inputs"]},
 }
 

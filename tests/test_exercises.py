@@ -75,7 +75,7 @@ def stubs(exercise) -> dict[str, object]:
 
 @pytest.mark.parametrize("module", MODULES, ids=IDS)
 def test_stub_signatures_match_the_reference(module):
-    exercise = impl.load_file(exercise_file(module), f"minicb_student_{module}")
+    exercise = impl.load_file(exercise_file(module), impl.student_module_name(module))
     reference = importlib.import_module(f"minicb.{module}")
     found = stubs(exercise)
     assert found, f"{exercise_file(module)} defines no stubs"

@@ -150,6 +150,11 @@ MUTANTS = [
            [("torch.arange(context_len - q_len, context_len,", "torch.arange(0, q_len,")]),
     Mutant(8, 4, "the Triton wrapper tells the kernel one key fewer", "chunk_attention_triton",
            [("torch.tensor([context_len], **int32)", "torch.tensor([context_len - 1], **int32)")]),
+    # ---- chapter 09: the server's engine thread (one per task: each costs ~15 s of the suite)
+    Mutant(9, 1, "forked children are numbered from 0, so the first one takes the parent's completion",
+           "group_step", [("completion = 1 + siblings.index(child)", "completion = siblings.index(child)")]),
+    Mutant(9, 2, "take_commands stops after one queued command, so an abort waits steps behind the others",
+           "take_commands", [("commands.append(inbox.get_nowait())", "return commands + [inbox.get_nowait()]")]),
     # ---- chapter 10: the GPU step
     Mutant(10, 1, "the buckets leave out max_num_seqs when it is not a multiple of 8", "batch_buckets",
            [("sizes.add(max_num_seqs)", "pass")], DECODE_GRAPHS_SUBCLASS),

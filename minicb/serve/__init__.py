@@ -7,7 +7,8 @@ already batches continuously (chapter 06):
   reaches the engine (protocol.py);
 - an *engine loop*: one thread owns the engine and steps it while there is
   work; requests reach it through a thread-safe queue and their tokens go back
-  to each request's asyncio queue, one hand-off per step (loop.py);
+  to each request's asyncio queue, one hand-off per step (loop.py; the
+  objects the two threads pass are in events.py);
 - *text*: turning a growing list of token ids into text deltas, and the stop
   strings the engine does not know about (text.py);
 - *routes*: completions and chat completions, streamed as server-sent events or

@@ -27,13 +27,22 @@ Three rules keep it correct:
    and a slow reader only delays itself.
 
 A request with n > 1 completions (parallel sampling) is one handle: the engine
-forks its completions in the step after its prefill (StepOutput.forked) and the
+forks its completions in the step that computes its prompt (StepOutput.forked,
+each child with its first token in the same step's new_tokens) and the
 loop maps each child id back to the handle and the completion's index, as
 `LLM.stream` does.
 
 Admission control: at most `max_waiting` requests may wait for their first
 token; beyond that `submit` raises QueueFull and the server answers 503 with
 Retry-After. The count lives on the event-loop thread only, so it needs no lock.
+
+The engine thread's work is three module-level functions, which EngineLoop
+gets through `impl.load("serve.loop")` every step (chapter 09's exercise):
+`take_commands` drains the inbox, `apply_commands` adds and aborts requests in
+the engine, and `group_step` turns a StepOutput into each handle's events.
+Everything else here (threads, the hand-off, metrics) is given. The objects
+they pass around (RequestHandle, Token, Finished, Failed, Applied) are in
+minicb/serve/events.py and re-exported here.
 """
 from __future__ import annotations
 
@@ -43,31 +52,17 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
+from minicb import impl
 from minicb.engine import Engine, StepOutput
 from minicb.sampling import SamplingParams
+from minicb.serve.events import Applied, Failed, Finished, Owners, RequestHandle, Token  # noqa: F401  # re-exported
 from minicb.trace import StepTrace
 
 
-# ---- what a handle receives ------------------------------------------------------------
-
-
-@dataclass
-class Token:
-    completion: int  # which of the request's n completions
-    token_id: int
-
-
-@dataclass
-class Finished:
-    completion: int
-    reason: str  # "stop" | "length" | "abort" (the engine's finish_reason)
-
-
-@dataclass
-class Failed:
-    message: str  # the engine raised; nothing more will come
+# ---- errors of submit ---------------------------------------------------------------------
 
 
 class QueueFull(RuntimeError):
@@ -78,22 +73,92 @@ class NotServing(RuntimeError):
     """The engine loop is shutting down, or stopped after an error."""
 
 
-@dataclass(eq=False)  # handles are dict keys by identity
-class RequestHandle:
-    """One HTTP request as the engine loop sees it.
+# ---- the engine thread's three jobs (chapter 09's exercise) -------------------------------
 
-    `events` gets one list of Token / Finished / Failed per engine step that
-    touched the request, in order. Fields after `events` belong to the engine
-    thread (request_ids) or to the event loop (queued).
+def take_commands(inbox: queue.Queue, wait: bool) -> list[tuple]:
+    """Everything in `inbox` now, oldest first, as a list of (kind, handle, completion).
+
+    wait=True (the engine is idle, nothing to step): block until one command comes,
+    then take whatever else is there without waiting. wait=False (the engine is
+    busy): never block; [] when the inbox is empty. Draining it all before a step
+    is what makes an abort take effect within one step.
     """
+    commands = [inbox.get()] if wait else []
+    while True:
+        try:
+            commands.append(inbox.get_nowait())
+        except queue.Empty:
+            return commands
 
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    events: asyncio.Queue
-    id: int
-    arrival: float = field(default_factory=time.perf_counter)
-    request_ids: dict[int, int] = field(default_factory=dict)  # completion -> engine request id
-    queued: bool = True  # counted against max_waiting until its first token (event-loop side)
+
+def apply_commands(engine: Engine, owners: Owners, commands: list[tuple]) -> Applied:
+    """Carry out the handlers' commands, in order, on the engine (engine thread only).
+
+    ("add", handle, None): engine.add_request(handle.prompt_token_ids, handle.params,
+    arrival_time=handle.arrival); its id becomes completion 0 (handle.request_ids[0], owners).
+    If the engine raises, the handle gets [Failed("TypeName: message")] in `failed`
+    and the other commands still run.
+    ("abort", handle, completion): abort that completion, or all of the handle's
+    (completion None), among those still in `owners`: drop each from `owners`, then
+    engine.abort(rid), which frees its blocks now. A request that already finished is
+    not in `owners` and is skipped; an engine that no longer knows the id (KeyError)
+    is not an error either. Each request the engine did abort goes into `aborted`.
+    ("stop", None, None): stop here; set `stop`, and apply nothing after it.
+    """
+    applied = Applied()
+    for kind, handle, completion in commands:
+        if kind == "stop":
+            applied.stop = True
+            break
+        if kind == "add":
+            try:
+                rid = engine.add_request(handle.prompt_token_ids, handle.params, arrival_time=handle.arrival)
+            except Exception as e:  # checked before submit, so this is a bug; fail this request only
+                applied.failed[handle] = [Failed(f"{type(e).__name__}: {e}")]
+                continue
+            handle.request_ids[0] = rid
+            owners[rid] = (handle, 0)
+        elif kind == "abort":
+            for index, rid in list(handle.request_ids.items()):
+                if (completion is None or index == completion) and rid in owners:
+                    del owners[rid]
+                    try:
+                        engine.abort(rid)
+                    except KeyError:
+                        continue  # the engine has already let go of it
+                    applied.aborted.append((handle, index))
+    return applied
+
+
+def group_step(out: StepOutput, owners: Owners) -> dict[RequestHandle, list[Token | Finished]]:
+    """One step's output as each handle's list of events, in the step's order.
+
+    First the forks (n > 1): out.forked lists (parent, child) pairs; a parent's
+    children, in the order listed, are its completions 1, 2, ...: record each in
+    handle.request_ids and `owners`. Then a Token(completion, token) for every
+    (rid, token) in out.new_tokens, then a Finished(completion, seq.finish_reason)
+    for every seq in out.finished, whose id leaves `owners`. Ids not in `owners`
+    (aborted a moment ago, or not the server's) are skipped. A handle the step did
+    not touch is not in the result.
+    """
+    batches: dict[RequestHandle, list] = {}
+    for parent, child in out.forked:  # born in their prompt's step, with a first token in it
+        if parent not in owners:
+            continue
+        handle, _ = owners[parent]
+        siblings = [c for p, c in out.forked if p == parent]
+        completion = 1 + siblings.index(child)
+        handle.request_ids[completion] = child
+        owners[child] = (handle, completion)
+    for rid, token in out.new_tokens:
+        if rid in owners:
+            handle, completion = owners[rid]
+            batches.setdefault(handle, []).append(Token(completion, token))
+    for seq in out.finished:
+        if seq.request_id in owners:
+            handle, completion = owners.pop(seq.request_id)
+            batches.setdefault(handle, []).append(Finished(completion, seq.finish_reason))
+    return batches
 
 
 # ---- what the dashboard and the metrics receive ------------------------------------------
@@ -137,14 +202,17 @@ class EngineLoop:
         self.inbox: queue.Queue = queue.Queue()
         self.num_queued = 0  # handles waiting for their first token (event-loop side)
         self.error: str | None = None  # set if the engine raised; the loop has stopped
+        self.exception: BaseException | None = None  # what it raised (for tests and debugging)
         self.subscribers: set[asyncio.Queue] = set()  # dashboard feeds, one per open page
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._handles: weakref.WeakSet[RequestHandle] = weakref.WeakSet()  # submitted ones (event-loop side)
         # Engine-thread state.
-        self._owner: dict[int, tuple[RequestHandle, int]] = {}  # engine request id -> (handle, completion)
-        self._last_token: dict[int, float] = {}  # engine request id -> when its previous token came out
+        self._owners: Owners = {}  # engine request id -> (handle, completion)
+        # (handle, completion) -> when its previous token came out
+        self._last_token: dict[tuple[RequestHandle, int], float] = {}
         self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
         self._rate_lock = threading.Lock()
 
@@ -186,6 +254,7 @@ class EngineLoop:
                             f"(the limit is {self.max_waiting}); retry shortly")
         handle = RequestHandle(list(prompt_token_ids), params, asyncio.Queue(), next(self._ids))
         self.num_queued += 1
+        self._handles.add(handle)
         self.inbox.put(("add", handle, None))
         return handle
 
@@ -251,90 +320,77 @@ class EngineLoop:
                 except asyncio.QueueFull:
                     pass  # a page that cannot keep up misses steps
 
+    def _fail_all(self, message: str) -> None:
+        """Runs on the event loop after the engine failed: every request still waiting for events ends.
+        (A handle that had already ended gets one more list, which nobody reads.)"""
+        for handle in list(self._handles):
+            self._leave_queue(handle)
+            handle.events.put_nowait([Failed(message)])
+
     # ---- the engine thread ------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while True:
+                # The chapter's three functions, looked up every step: a student's edited file is picked up.
+                chapter = impl.load("serve.loop")
                 # Idle: sleep until a command comes. Busy: take what came during the step.
-                commands = [self.inbox.get()] if not self.engine.has_unfinished() else []
-                while True:
-                    try:
-                        commands.append(self.inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                if not self._apply(commands):
+                commands = chapter.take_commands(self.inbox, wait=not self.engine.has_unfinished())
+                applied = chapter.apply_commands(self.engine, self._owners, commands)
+                self._report(applied)
+                if applied.stop:
                     break
                 if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
+                    out = self.engine.step()
+                    self._dispatch(out, chapter.group_step(out, self._owners))
                 if self.metrics is not None:  # after an abort with nothing left to step, too
                     self.metrics.engine_state(self.engine)
         except Exception as e:  # the engine is in an unknown state: fail every request, serve no more
+            self.exception = e
             self.error = f"the engine failed: {type(e).__name__}: {e}"
-            self._send({handle: [Failed(self.error)] for handle, _ in self._owner.values()}, None)
-            self._owner.clear()
+            self._owners.clear()
+            if self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.call_soon_threadsafe(self._fail_all, self.error)
+                except RuntimeError:
+                    pass  # the event loop closed meanwhile
             return
         # Stopping: whatever is still waiting or running ends now, as an abort.
         batches: dict[RequestHandle, list] = collections.defaultdict(list)
-        for rid, (handle, completion) in list(self._owner.items()):
-            self._abort_id(rid)
+        for rid, (handle, completion) in list(self._owners.items()):
+            del self._owners[rid]
+            try:
+                self.engine.abort(rid)
+                self._report(Applied(aborted=[(handle, completion)]))
+            except KeyError:
+                pass  # the engine has already let go of it
             batches[handle].append(Finished(completion, "abort"))
         self._send(batches, None)
 
-    def _apply(self, commands: list) -> bool:
-        """Carry out the handlers' commands. False on "stop"."""
-        for kind, handle, completion in commands:
-            if kind == "stop":
-                return False
-            if kind == "add":
-                try:
-                    rid = self.engine.add_request(handle.prompt_token_ids, handle.params, arrival_time=handle.arrival)
-                except Exception as e:  # checked before submit, so this is a bug; fail this request only
-                    self._send({handle: [Failed(f"{type(e).__name__}: {e}")]}, None)
-                    continue
-                handle.request_ids[0] = rid
-                self._owner[rid] = (handle, 0)
-            elif kind == "abort":
-                targets = handle.request_ids if completion is None else {completion: handle.request_ids.get(completion)}
-                for rid in list(targets.values()):
-                    if rid is not None and rid in self._owner:
-                        self._abort_id(rid)
-        return True
+    def _report(self, applied: Applied) -> None:
+        """Tell the refused requests, count the aborts, forget the aborted completions' token times."""
+        if applied.failed:
+            self._send(applied.failed, None)
+        for handle, completion in applied.aborted:
+            self._last_token.pop((handle, completion), None)
+            if self.metrics is not None:
+                self.metrics.finished("abort")
 
-    def _abort_id(self, rid: int) -> None:
-        del self._owner[rid]
-        self._last_token.pop(rid, None)
-        try:
-            self.engine.abort(rid)
-        except KeyError:
-            return  # it finished in the step that just ran
-        if self.metrics is not None:
-            self.metrics.finished("abort")
-
-    def _dispatch(self, out: StepOutput) -> None:
+    def _dispatch(self, out: StepOutput, batches: dict[RequestHandle, list]) -> None:
+        """Measure the step's latencies, then hand `batches` (group_step's) to the event loop."""
         now = time.perf_counter()
-        batches: dict[RequestHandle, list] = collections.defaultdict(list)
-        for parent, child in out.forked:  # n > 1: completions are born in their prompt's step
-            handle, _ = self._owner[parent]
-            siblings = [c for p, c in out.forked if p == parent]
-            completion = 1 + siblings.index(child)
-            handle.request_ids[completion] = child
-            self._owner[child] = (handle, completion)
         ttfts, itls = [], []  # seconds: arrival -> first token of a request; token -> next token of a completion
-        for rid, token in out.new_tokens:
-            if rid in self._owner:
-                handle, completion = self._owner[rid]
-                batches[handle].append(Token(completion, token))
-                if rid in self._last_token:
-                    itls.append(now - self._last_token[rid])
-                elif completion == 0:
+        for handle, events in batches.items():
+            for event in events:
+                key = (handle, event.completion)
+                if isinstance(event, Finished):
+                    self._last_token.pop(key, None)
+                    continue
+                if key in self._last_token:
+                    itls.append(now - self._last_token[key])
+                elif event.completion == 0:
                     ttfts.append(now - handle.arrival)
-                self._last_token[rid] = now
-        for seq in out.finished:
-            self._last_token.pop(seq.request_id, None)
-            if seq.request_id in self._owner:
-                handle, completion = self._owner.pop(seq.request_id)
-                batches[handle].append(Finished(completion, seq.finish_reason))
+                self._last_token[key] = now
         with self._rate_lock:
             self._rate.append((now, len(out.new_tokens)))
             while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:

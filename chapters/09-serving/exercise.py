@@ -1,0 +1,65 @@
+"""Chapter 09 exercise: the engine thread of an HTTP server -- commands in, each step's events out.
+
+Fill in the stubs below, task by task. The text is chapters/09-serving/README.md;
+the tests are tests/test_ch09_*.py. Run them against this file with
+
+    python -m minicb check 9
+    MINICB_IMPL=student MINICB_IMPL_ONLY=serve.loop python -m minicb serve     # the real server, on your code
+
+Given (minicb/serve/events.py documents each): the events a handle receives
+(Token, Finished, Failed), RequestHandle, Owners, and Applied (what
+apply_commands reports); and EngineLoop (minicb/serve/loop.py), which runs the
+engine thread. Every step, EngineLoop looks up
+these three functions with `impl.load("serve.loop")` and calls them in this order:
+
+    commands = take_commands(inbox, wait=not engine.has_unfinished())
+    applied = apply_commands(engine, owners, commands)     # then reports applied
+    out = engine.step()                                    # if anything is unfinished
+    batches = group_step(out, owners)                      # one hand-off to the event loop
+
+`owners` is the engine thread's map: engine request id -> (handle, completion).
+"""
+from __future__ import annotations
+
+import queue
+
+from minicb.engine import Engine, StepOutput
+from minicb.serve.events import Applied, Failed, Finished, Owners, RequestHandle, Token  # noqa: F401  # given
+
+
+def take_commands(inbox: queue.Queue, wait: bool) -> list[tuple]:
+    """Task 2: every command in `inbox` now, oldest first, each a (kind, handle, completion) tuple.
+
+    wait=True (the engine is idle): block until one command comes (inbox.get()), then take the
+    rest without waiting. wait=False (the engine is busy): never block; [] when the inbox is empty.
+    """
+    raise NotImplementedError("Chapter 9, task 2: take_commands() — see chapters/09-serving/README.md#task-2")
+
+
+def apply_commands(engine: Engine, owners: Owners, commands: list[tuple]) -> Applied:
+    """Task 2: carry out the commands in order; return an Applied.
+
+    ("add", handle, None): rid = engine.add_request(handle.prompt_token_ids, handle.params,
+        arrival_time=handle.arrival); handle.request_ids[0] = rid; owners[rid] = (handle, 0).
+        If add_request raises, applied.failed[handle] = [Failed(f"{type(e).__name__}: {e}")]
+        and the next commands still run.
+    ("abort", handle, completion): for that completion of the handle (all of them when completion
+        is None) whose engine id is still in `owners`: del owners[rid], then engine.abort(rid)
+        (it frees the blocks now); append (handle, completion) to applied.aborted. A KeyError from
+        engine.abort (the engine no longer knows the id) is not an error: skip it. An id not in
+        `owners` (the completion already finished) is skipped too.
+    ("stop", None, None): set applied.stop and return at once, applying nothing after it.
+    """
+    raise NotImplementedError("Chapter 9, task 2: apply_commands() — see chapters/09-serving/README.md#task-2")
+
+
+def group_step(out: StepOutput, owners: Owners) -> dict[RequestHandle, list[Token | Finished]]:
+    """Task 1: one engine step as each handle's list of events, in the step's order.
+
+    1. out.forked, (parent_id, child_id) pairs (n > 1): a parent's children, in the order listed,
+       are completions 1, 2, ... of the parent's handle: set handle.request_ids[k] and owners[child].
+    2. out.new_tokens, (rid, token) pairs: Token(completion, token) for the rid's handle.
+    3. out.finished, Sequences: Finished(completion, seq.finish_reason); seq.request_id leaves owners.
+    Ids not in `owners` are skipped; handles with no events are left out of the result.
+    """
+    raise NotImplementedError("Chapter 9, task 1: group_step() — see chapters/09-serving/README.md#task-1")
