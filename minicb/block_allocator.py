@@ -49,7 +49,42 @@ def _check_count(name: str, value) -> None:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
-class BlockAllocator:
+class NoPrefixCache:
+    """The prefix-caching calls of chapter 07, answered by an allocator that caches nothing.
+
+    The scheduler and the engine talk to every allocator the same way: at
+    admission they ask how much of a prompt is cached (`num_cached_tokens`) and
+    how many free blocks it would cost (`free_blocks_needed`), then allocate it
+    with `allocate_prefix`; when tokens are scheduled they offer the full blocks
+    for keys (`cache_full_blocks`). Here the answers are "none", "all of them
+    fresh", a plain `allocate`, and "nothing registered", so chapter 03's
+    allocator is the case of a cache that never hits, and no caller needs an
+    `if caching:` branch. Chapter 07's `CachingBlockAllocator` answers for real.
+    """
+
+    def num_cached_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of `token_ids` whose K/V are cached: none."""
+        return 0
+
+    def free_blocks_needed(self, token_ids: list[int]) -> int:
+        """Free blocks allocate_prefix(token_ids) would use: one per block of tokens."""
+        return self.blocks_needed(len(token_ids))
+
+    def allocate_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """Allocate `seq_id` holding `token_ids`; return the cached tokens among them: 0."""
+        self.allocate(seq_id, len(token_ids))
+        return 0
+
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int]) -> int:
+        """Give keys to the full blocks of `token_ids`; return how many are new: none."""
+        return 0
+
+    def cached_free_blocks(self) -> list[int]:
+        """Free blocks that keep their K/V for a later hit: none."""
+        return []
+
+
+class BlockAllocator(NoPrefixCache):
     """Hands out fixed-size KV blocks to sequences and takes them back.
 
     The KV cache itself (chapter 04) is a tensor of shape

@@ -11,7 +11,7 @@ layer (the norms, projections, rotary embedding, store, attention, MLP and
 residuals), some thousand launches for 30 layers. Each costs the host Python,
 PyTorch dispatch and driver work, microseconds apiece, and most of these kernels
 take the GPU less than that. So the GPU waits for the host, and the step lasts
-as long as the host's launch loop. (`python -m minicb.cuda_graphs` measures it.)
+as long as the host's launch loop. (`python tools/cuda_graph_bench.py` measures it.)
 
 A CUDA graph records the launches of one forward once (`torch.cuda.graph`),
 with their arguments, and replays all of them with a single call. What it
@@ -42,7 +42,12 @@ different number of tokens every time, and runs eagerly, as before.
 
     runner = DecodeGraphs(model, pool, kernels, max_num_seqs=32, scratch_block=pool.num_blocks - 1,
                           capture=True)
-    logits = runner.decode(seqs, allocator)   # [1, len(seqs), vocab]
+    logits = runner(prepare(out, allocator))  # [num_seqs, vocab]: a replay when decode-only, else eager
+
+`DecodeGraphs` is a `ModelRunner` (minicb/model_runner.py): it takes the same
+`StepBatch` the eager runner takes, replays a graph for a decode-only batch
+that fits a bucket, and hands every other batch to the eager forward it
+inherits. The engine holds one runner and never asks which kind.
 
 On a CPU there are no graphs: with `capture=False` the same runner fills the
 same static buffers, pads to the same buckets and runs the forward eagerly. The
@@ -56,25 +61,20 @@ The runner reaches them through three one-line methods (`buckets_up_to`,
 `bucket_for`, `pad`), so the engine, which loads this module through
 `impl.load("cuda_graphs")`, runs a student's functions inside the same runner.
 
-`python -m minicb.cuda_graphs` times decode steps with and without graphs
+`python tools/cuda_graph_bench.py` times decode steps with and without graphs
 (batch 32, SmolLM2's shape, bf16, on CUDA; tiny shapes on a CPU, eagerly).
 """
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections import Counter
 
-if __name__ == "__main__":  # the entry point decides, before anything imports triton (minicb/triton_mode.py)
-    from minicb.triton_mode import choose_triton_mode
-    choose_triton_mode()
+import torch
 
-import torch  # noqa: E402
-
-from minicb.model import Model  # noqa: E402
-from minicb.paged_attention import KVPool  # noqa: E402
-from minicb.paged_model import AttentionMetadata, PagedAttention  # noqa: E402
+from minicb.model import Model
+from minicb.model_runner import ModelRunner, StepBatch
+from minicb.paged_attention import KVPool
+from minicb.paged_model import AttentionMetadata, PagedAttention
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -164,7 +164,7 @@ def runner_mode(setting: bool | None, device: torch.device, kernels) -> str | No
     return None
 
 
-class DecodeGraphs:
+class DecodeGraphs(ModelRunner):
     """Decode-only steps through static buffers, padded to a bucket; replayed from CUDA graphs when captured.
 
     The pool must hold one block more than the allocator hands out: `scratch_block`,
@@ -176,7 +176,7 @@ class DecodeGraphs:
         if not 0 <= scratch_block < pool.num_blocks:
             raise ValueError(f"scratch_block={scratch_block} is not a block of the pool (num_blocks "
                              f"{pool.num_blocks}); make the pool one block larger than the allocator")
-        self.model, self.pool, self.kernels = model, pool, kernels
+        super().__init__(model, pool, kernels)
         self.buckets = self.buckets_up_to(max_num_seqs)
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * pool.block_size  # every padding row writes here
@@ -215,10 +215,13 @@ class DecodeGraphs:
 
     # ---- what a step needs --------------------------------------------------------------
 
-    def takes(self, out) -> bool:
-        """Whether a SchedulerOutput is a decode-only step that fits a bucket."""
-        return (not out.prefills and 0 < len(out.decodes) <= self.buckets[-1]
-                and all(out.num_new_tokens(seq) == 1 for seq in out.decodes))
+    def takes(self, batch: StepBatch) -> bool:
+        """Whether a batch is decode-only and fits a bucket."""
+        return batch.is_decode_only and batch.num_seqs <= self.buckets[-1]
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """-> logits [num_seqs, V]: a decode-only batch through the buffers, anything else eagerly."""
+        return self.decode(batch) if self.takes(batch) else super().forward(batch)
 
     def metadata(self, bucket: int, host_tables: list[list[int]], host_lens: list[int],
                  max_slot: int) -> AttentionMetadata:
@@ -229,7 +232,7 @@ class DecodeGraphs:
             num_decodes=bucket, host_block_tables=host_tables, host_context_lens=host_lens,
             host_cu_seqlens_q=list(range(bucket + 1)), max_slot=max_slot)
 
-    def forward(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
+    def run_bucket(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
         """The eager forward over the first `bucket` rows of the buffers -> logits [1, bucket, V].
 
         This is what a graph captures. PagedAttention checks the metadata against
@@ -257,7 +260,7 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.forward(bucket, meta)
+                    self.run_bucket(bucket, meta)
             torch.cuda.current_stream().wait_stream(side)
             # PagedAttention is built outside the capture (it checks on the host); its
             # decode plan for the Triton kernels is the static buffers themselves.
@@ -270,38 +273,28 @@ class DecodeGraphs:
 
     # ---- one decode step ----------------------------------------------------------------------
 
-    def decode(self, seqs, allocator) -> torch.Tensor:
-        """One decode-only step of `seqs` (each computes its last token) -> logits [1, len(seqs), V].
+    def decode(self, batch: StepBatch) -> torch.Tensor:
+        """One decode-only step (each sequence computes its newest token) -> logits [num_seqs, V].
 
-        1. the rows on the host: each sequence's last token, its position, its slot,
-           its block table
-        2. check them against the pool, once (as PagedAttention does for an eager step)
-        3. pad them to the bucket (pad_decode_inputs) and copy them into the static buffers
-        4. replay the bucket's graph (or, uncaptured, run the forward eagerly)
+        1. check the batch's rows against the pool, once (as PagedAttention does for an eager step)
+        2. pad them to the bucket (pad_decode_inputs) and copy them into the static buffers
+        3. replay the bucket's graph (or, uncaptured, run the forward eagerly)
         The logits are a view of the graph's output: read them before the next step.
         """
-        n = len(seqs)
-        bucket = self.bucket_for(n) if n else None
+        n = batch.num_seqs
+        bucket = self.bucket_for(n) if batch.is_decode_only else None
         if bucket is None:
-            raise ValueError(f"{n} sequences; the buckets hold 1 to {self.buckets[-1]}")
-        ids, positions, slots, tables = [], [], [], []
-        for seq in seqs:
-            position = seq.num_computed_tokens  # the one token whose K/V are not stored yet
-            if position != seq.num_tokens - 1:
-                raise ValueError(f"request {seq.request_id} has {seq.num_tokens - position} tokens to compute; "
-                                 f"a decode step computes exactly 1")
-            ids.append(seq.token_ids[position])
-            positions.append(position)
-            slots += allocator.slot_mapping(seq.request_id, position, position + 1)
-            tables.append(allocator.block_table(seq.request_id))
+            raise ValueError(f"a batch of {n} sequences, {batch.num_decodes} of them decodes; the runner takes "
+                             f"decode-only batches of 1 to {self.buckets[-1]}")
         pad = bucket - n
-        meta = self.metadata(bucket, tables + [[self.scratch_block]] * pad, [p + 1 for p in positions] + [1] * pad,
-                             max(slots + [self.scratch_slot]))
+        meta = self.metadata(bucket, batch.block_tables + [[self.scratch_block]] * pad,
+                             batch.context_lens + [1] * pad, max(batch.slot_mapping + [self.scratch_slot]))
         meta.check_fits(self.pool.num_blocks, self.pool.block_size)
 
         # The padded rows, on the host: small inputs as one [4, bucket] int64 tensor, the
         # tables as one [bucket, max_blocks]; then one copy each to the device.
-        inputs, table_rows = self.pad(ids, positions, slots, tables, bucket)
+        inputs, table_rows = self.pad(batch.token_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                                      bucket)
         inputs = inputs.to(self.model.device)
         self.input_ids[0, :bucket].copy_(inputs[0])
         self.positions[0, :bucket].copy_(inputs[1])
@@ -313,8 +306,8 @@ class DecodeGraphs:
             self.graphs[bucket].replay()
             logits = self.outputs[bucket]
         else:
-            logits = self.forward(bucket, meta)
-        return logits[:, :n]  # [1, n, V]: the padding rows' logits are dropped
+            logits = self.run_bucket(bucket, meta)
+        return logits[0, :n]  # [n, V]: the padding rows' logits are dropped
 
 
 # ----------------------------------------------------------------------------
@@ -327,7 +320,7 @@ def operator_calls(fn) -> Counter:
     Only the outermost calls count (aten::linear calls aten::addmm inside it): each
     is one trip through Python and PyTorch's dispatcher, and on a GPU most launch a
     kernel (views such as aten::slice launch none).
-        operator_calls(lambda: runner.decode(seqs, allocator)) -> Counter({"aten::mul": 22, ...})
+        operator_calls(lambda: runner(batch)) -> Counter({"aten::mul": 22, ...})
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -335,102 +328,3 @@ def operator_calls(fn) -> Counter:
         fn()
     return Counter(event.name for event in prof.events() if event.name.startswith("aten::")
                    and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::")))
-
-
-# ----------------------------------------------------------------------------
-# Timing: python -m minicb.cuda_graphs
-
-
-def _decode_engines(model, attention: str, num_seqs: int, context: int, steps: int):
-    """Two engines, graphs on and off, each holding num_seqs sequences past their prefill at `context` tokens."""
-    from minicb.engine import Engine, EngineConfig
-    from minicb.sampling import SamplingParams
-
-    block_size = 16
-    blocks = num_seqs * math.ceil((context + steps + 16) / block_size)
-    engines = []
-    for graphs in (False, True):
-        engine = Engine(model, EngineConfig(max_num_seqs=num_seqs, attention=attention, num_blocks=blocks,
-                                            block_size=block_size, cuda_graphs=graphs))
-        for i in range(num_seqs):
-            prompt = [(7 * i + 13 * t) % (model.config.vocab_size - 10) + 10 for t in range(context)]
-            engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-        engine.step()  # every prompt, eagerly
-        engines.append(engine)
-    return engines
-
-
-def _median_ms_in_turns(functions, repeats: int, cuda: bool) -> list[float]:
-    """Each function `repeats` times, in turns, so load from other programs falls on all alike."""
-    times = [[] for _ in functions]
-    for _ in range(repeats):
-        for fn, seconds in zip(functions, times):
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - start)
-    return [1000 * statistics.median(s) for s in times]
-
-
-def main(argv=None) -> None:
-    import argparse
-    import json
-
-    from minicb.model import ModelConfig, random_model, tiny_config
-
-    parser = argparse.ArgumentParser(description="time decode steps with and without CUDA graphs")
-    parser.add_argument("--seqs", type=int, default=32, help="sequences decoding together")
-    parser.add_argument("--context", type=int, default=256, help="tokens of context each sequence starts with")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps of each kind")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--json", help="write the figures to this file")
-    opts = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        # SmolLM2-135M's shape with random weights: the time of a step does not depend on the weights.
-        model = random_model(ModelConfig(), seed=0).to("cuda", getattr(torch, opts.dtype))
-        attention, seqs, context, steps = "triton", opts.seqs, opts.context, opts.steps
-    else:
-        # No graphs on a CPU: the runner's eager path on tiny shapes, so this entry point runs everywhere.
-        model = random_model(tiny_config(), seed=0)
-        attention, seqs, context, steps = "torch", min(opts.seqs, 5), min(opts.context, 24), min(opts.steps, 3)
-    eager, graphed = _decode_engines(model, attention, seqs, context, steps + 3)
-    runner = graphed.graphs
-    for engine in (eager, graphed):  # warm-up: the first decode steps, off the clock
-        engine.step()
-    # Whole engine steps (schedule, prepare or copy into buffers, forward, sample, postprocess).
-    step_ms = _median_ms_in_turns([eager.step, graphed.step], steps, cuda)
-    # The forward alone, on the runner's buffers as the last step left them: eager vs replay.
-    bucket = runner.bucket_for(seqs)
-    meta = runner.metadata(bucket, [[runner.scratch_block]] * bucket, [1] * bucket, runner.scratch_slot)
-    meta.host_block_tables = runner.block_tables[:bucket].cpu().tolist()
-    meta.host_context_lens = runner.context_lens[:bucket].cpu().tolist()
-    forwards = [lambda: runner.forward(bucket, meta)]
-    if bucket in runner.graphs:
-        forwards.append(runner.graphs[bucket].replay)
-    forward_ms = _median_ms_in_turns(forwards, steps, cuda)
-    device = torch.cuda.get_device_name() if cuda else "cpu (no CUDA graphs: the runner runs eagerly)"
-    report = {"device": device, "dtype": str(model.dtype).removeprefix("torch."), "attention": attention,
-              "seqs": seqs, "bucket": bucket, "context": context, "steps": steps, "graphs": bool(runner.graphs),
-              "step_ms": {"eager": step_ms[0], "graphs": step_ms[1]},
-              "forward_ms": {"eager": forward_ms[0], "graphs": forward_ms[1] if len(forward_ms) > 1 else None}}
-    print(f"{device}: {seqs} sequences (bucket {bucket}) at {context}+ tokens of context, {report['dtype']}, "
-          f"attention={attention}, medians of {steps}")
-    print(f"  engine step   eager {step_ms[0]:8.3f} ms   runner {step_ms[1]:8.3f} ms   "
-          f"eager / runner {step_ms[0] / step_ms[1]:5.2f}x")
-    if len(forward_ms) > 1:
-        print(f"  forward only  eager {forward_ms[0]:8.3f} ms   replay {forward_ms[1]:8.3f} ms   "
-              f"eager / replay {forward_ms[0] / forward_ms[1]:5.2f}x")
-    else:
-        print(f"  forward only  eager {forward_ms[0]:8.3f} ms   (no graph captured on this device)")
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {opts.json}")
-
-
-if __name__ == "__main__":
-    main()

@@ -3,15 +3,19 @@
 In this file you will learn how the pieces of the earlier chapters become a
 serving loop. `Engine.step()` does, in order:
 
-    1. schedule     the scheduler picks the decodes and the newly admitted prefills
-    2. prepare      one packed batch: input ids, positions, and AttentionMetadata
-                    (slot mapping, block tables, context lengths, query offsets)
-    3. forward      ONE model call over the ragged batch, decodes and prefills together
-    4. sample       one token per sequence, each with its own generator
-    5. postprocess  append tokens, evict finished sequences, free their blocks
+    1. schedule     the scheduler picks how many tokens each request computes (decodes,
+                    prompts, chunks of prompts), within one token budget
+    2. prepare      one packed batch on the host: token ids, positions, slot mapping,
+                    block tables, context lengths (minicb/model_runner.py)
+    3. forward      the runner makes ONE model call over the ragged batch, decodes and
+                    prefills together (or replays a CUDA graph, chapter 10)
+    4. sample       a token for each sequence that computed its last token, with its own
+                    generator (n tokens for a request whose n completions fork now)
+    5. postprocess  the scheduler appends tokens, forks completions, evicts finished
+                    sequences and frees their blocks
 
-and returns a `StepOutput`: the new token of every scheduled request, and the
-requests that finished. Because a finished sequence leaves at the end of the
+and returns a `StepOutput`: every new token, named by its request and
+completion, and the sequences that finished. Because a finished sequence leaves at the end of the
 step that finished it, the next step's `schedule()` can put a waiting request
 straight into its slot: no row of the batch ever idles while work is waiting.
 That is the whole trick.
@@ -20,8 +24,8 @@ That is the whole trick.
     rid = engine.add_request([1, 422, 88], SamplingParams(max_tokens=16))
     while engine.has_unfinished():
         out = engine.step()
-        for seq in out.finished:            # each finished request is handed out once,
-            print(seq.request_id, seq.output_token_ids, seq.finish_reason)  # then forgotten
+        for seq in out.finished:            # each finished completion is handed out once,
+            print(seq.owner_id, seq.completion, seq.output_token_ids, seq.finish_reason)  # then forgotten
 
 The engine keeps a request (one `Sequence`, minicb/scheduler.py) only while it
 waits or runs, so a server can run it for weeks. With `keep_traces` it also
@@ -31,19 +35,20 @@ Chapter text: chapters/06-continuous-batching/README.md.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from minicb import impl
 from minicb.model import Model
+from minicb.model_runner import ModelRunner, prepare
 from minicb.paged_attention import KVPool
-from minicb.paged_model import AttentionMetadata, PagedAttention, attention_kernels
+from minicb.paged_model import attention_kernels
 from minicb.sampling import SamplingParams, make_generator, sample
-from minicb.scheduler import Sequence
+from minicb.scheduler import Sequence, SchedulerOutput
 from minicb.trace import SlotState, StepTrace
 
 
@@ -74,13 +79,21 @@ class EngineConfig:
     cuda_graphs: bool | None = None
 
 
+class NewToken(NamedTuple):
+    """One sampled token, named by what the caller knows: its request and which completion."""
+
+    request_id: int  # the id add_request returned
+    completion: int  # which of the request's n completions (0 when n = 1)
+    token: int
+
+
 @dataclass
 class StepOutput:
     """What one step did to requests. The engine keeps none of it."""
 
-    new_tokens: list[tuple[int, int]] = field(default_factory=list)  # (request_id, token), batch order
-    forked: list[tuple[int, int]] = field(default_factory=list)  # (parent_id, child_id): n > 1 completions born
-    finished: list[Sequence] = field(default_factory=list)  # ended this step; the engine has let go of them
+    new_tokens: list[NewToken] = field(default_factory=list)  # in batch order
+    # Completions that ended this step (seq.owner_id and seq.completion name them); the engine has let go of them.
+    finished: list[Sequence] = field(default_factory=list)
     trace: StepTrace | None = None  # the step's picture, when keep_traces asks for one
 
 
@@ -111,21 +124,22 @@ class Engine:
             allocator, ec.max_num_seqs, cfg.max_position_embeddings, cfg.eos_token_ids,
             ec.max_num_batched_tokens, ec.watermark)
         self.allocator = allocator
-        # With the decode runner, the pool has one block more than the allocator hands out:
+        # The runner: eager, or chapter 10's, which replays decode-only steps from CUDA
+        # graphs. With it the pool has one block more than the allocator hands out:
         # the scratch block, where the runner's padding rows write their K/V.
         graphing = impl.load("cuda_graphs")  # chapter 10's runner: buckets and padding
         mode = graphing.runner_mode(ec.cuda_graphs, model.device, self.kernels)
         self.pool = KVPool(cfg.num_layers, num_blocks + (1 if mode else 0), ec.block_size, cfg.num_kv_heads,
                            cfg.head_dim, model.dtype, model.device)
-        self.graphs = (graphing.DecodeGraphs(model, self.pool, self.kernels, ec.max_num_seqs,
-                                             scratch_block=num_blocks, capture=mode == "graphs") if mode else None)
-        self.requests: dict[int, Sequence] = {}  # request_id -> its state, while it waits or runs
+        self.runner = (graphing.DecodeGraphs(model, self.pool, self.kernels, ec.max_num_seqs,
+                                             scratch_block=num_blocks, capture=mode == "graphs") if mode
+                       else ModelRunner(model, self.pool, self.kernels))
+        self.requests: dict[int, Sequence] = {}  # request_id -> its state, while it waits or runs (every completion)
         keep = ec.keep_traces
         if keep is not None and (not isinstance(keep, int) or keep < 0):
             raise ValueError(f"keep_traces={keep!r}; it must be 0 (none), a positive int (the last N steps) "
                              f"or None (every step)")
         self.traces: deque[StepTrace] = deque(maxlen=keep)
-        self._ids = itertools.count()
         self.num_steps = 0
 
     # ---- requests -------------------------------------------------------------------
@@ -146,21 +160,33 @@ class Engine:
         """Queue a request; returns its id. Raises (and queues nothing) if it can never be served."""
         prompt_token_ids = list(prompt_token_ids)
         self.check_request(prompt_token_ids, params)
-        rid = next(self._ids)
+        rid = self.scheduler.new_request_id()
         seq = self.Sequence(rid, prompt_token_ids, params,
                             arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        # Each completion samples with its own generator (seeded: seed and completion index).
         seq.generator = make_generator(params, self.model.device)
+        seq.sibling_generators = [make_generator(params, self.model.device, c) for c in range(1, params.n)]
         self.scheduler.add(seq)
         self.requests[rid] = seq
         return rid
 
-    def abort(self, request_id: int) -> Sequence:
-        """Stop a waiting or running request now; returns it (finish_reason "abort"), and forgets it."""
-        if self.scheduler.abort(request_id) is None:
-            raise KeyError(f"request {request_id} is not waiting or running")
-        seq = self.requests.pop(request_id)
-        seq.finish_time = time.perf_counter()
-        return seq
+    def abort(self, request_id: int, completion: int | None = None) -> list[Sequence]:
+        """Stop a request's waiting or running completions now (one, or all); returns them, and forgets them.
+
+        request_id is what add_request returned. Each returned sequence ends with
+        finish_reason "abort". KeyError if none of them waits or runs.
+        """
+        victims = [seq for seq in self.requests.values() if seq.owner_id == request_id
+                   and (completion is None or seq.completion == completion)]
+        if not victims:
+            which = "" if completion is None else f" completion {completion}"
+            raise KeyError(f"request {request_id}{which} is not waiting or running")
+        now = time.perf_counter()
+        for seq in victims:
+            self.scheduler.abort(seq.request_id)
+            del self.requests[seq.request_id]
+            seq.finish_time = now
+        return victims
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -169,99 +195,59 @@ class Engine:
 
     def step(self) -> StepOutput:
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        for src, dst in out.block_copies:  # copy-on-write of shared blocks (prefix sharing)
-            self.pool.copy_block(src, dst)
+        out = self.scheduler.schedule()  # 1. schedule
         seqs = out.sequences  # decodes first, then prefills
         # Who computed what where, read before postprocess frees the finished ones' slots.
         # (Admitted requests start at num_computed_tokens = their cached prefix.)
         work = [(s.request_id, s.slot, "decode" if i < len(out.decodes) else "prefill", out.num_new_tokens(s),
                  s.num_computed_tokens) for i, s in enumerate(seqs)]
-        # Where each sequence's computed tokens end after this step. A sequence that
-        # reaches its last token gets a sampled token; a chunk of a longer prompt
-        # (chapter 08) gets None: its last row's logits predict a prompt token.
-        ends = [s.num_computed_tokens + out.num_new_tokens(s) for s in seqs]
-        tokens: list[int | None] = [None] * len(seqs)
+        sampled: list[list[int]] = [[] for _ in seqs]
         if seqs:
-            if self.graphs is not None and self.graphs.takes(out):  # decode-only: static buffers, a captured graph
-                logits = self.graphs.decode(seqs, self.allocator)  # [1, S, V]
-            else:
-                input_ids, positions, meta = self.prepare(out)
-                attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
-                logits = self.model(input_ids, positions, attention, logits_at=meta.last_token_index())  # [1, S, V]
-            done = [i for i, (s, end) in enumerate(zip(seqs, ends)) if end == s.num_tokens]
-            if done:
-                sampled = sample(logits[0, done], [seqs[i].params for i in done], [seqs[i].generator for i in done])
-                for i, token in zip(done, sampled):
-                    tokens[i] = token
-            if self.config.enable_prefix_caching:  # their K/V are computed now: key the full blocks
-                for seq, end in zip(seqs, ends):
-                    self.allocator.cache_full_blocks(seq.request_id, seq.token_ids[:end])
-            forked = self._fork_completions(seqs, logits[0], out, tokens)
-        else:
-            forked = []
+            logits = self.runner(prepare(out, self.allocator))  # 2. prepare, 3. forward: [S, V]
+            sampled = self.sample(out, logits)  # 4. sample
         now = time.perf_counter()
-        for seq, token in zip(seqs, tokens):
-            if token is not None:
-                seq.token_times.append(now)  # for inter-token latency; postprocess appends the token
-        finished = self.scheduler.postprocess(out, tokens, now)
+        finished = self.scheduler.postprocess(out, sampled, now)  # 5. postprocess
+        for seq in out.forked:  # completions born this step (n > 1)
+            self.requests[seq.request_id] = seq
         for seq in finished:
             del self.requests[seq.request_id]  # handed out below; the engine keeps nothing
+        result = StepOutput(finished=finished)
+        for seq, tokens in zip(seqs, sampled):
+            # A request that forked now sampled its completions' first tokens in completion order.
+            for completion, token in enumerate(tokens, start=seq.completion):
+                result.new_tokens.append(NewToken(seq.owner_id, completion, token))
+        for seq in [s for s, tokens in zip(seqs, sampled) if tokens] + out.forked:
+            seq.token_times.append(now)  # for inter-token latency
         self.num_steps += 1
-        result = StepOutput(new_tokens=[(s.request_id, t) for s, t in zip(out.sequences, tokens) if t is not None],
-                            finished=finished, forked=forked)
         if self.traces.maxlen != 0:
-            result.trace = self._trace(out, work, result, time.perf_counter() - t0)
+            result.trace = self._trace(out, work, sampled, result, time.perf_counter() - t0)
             self.traces.append(result.trace)
         return result
 
-    def _fork_completions(self, seqs, logits, out, tokens) -> list[tuple[int, int]]:
-        """Parallel sampling: a request with n > 1 that just computed its prompt becomes n completions.
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[list[int]]:
+        """The tokens of each scheduled sequence (out.sequences order), from logits [S, V], one row each.
 
-        Its other n - 1 first tokens are sampled from the same logits row, each with
-        its own generator, and each child shares all the parent's blocks
-        (allocator.fork): the prompt is computed once. The shared last block is
-        copied when a child first writes into it (chapter 03's copy-on-write; the
-        copies reach the pool through out.block_copies). The children join this
-        step's prefills, so postprocess() appends their tokens like anyone's.
-        logits [S, V] rows in seqs order; tokens is extended in place.
+        A sequence that computed its last token gets one token, from its own
+        generator; a request with n > 1 completions that has not forked yet gets n,
+        all from its row, each from its completion's generator. A chunk of a
+        longer prompt (chapter 08) gets none: its last row predicts a prompt token.
         """
-        forked = []
-        for row, parent in enumerate(seqs):
-            if parent.forked or parent.params.n == 1 or tokens[row] is None:
-                continue  # (None: a chunk of its prompt is still to come)
-            parent.forked = True
-            for completion in range(1, parent.params.n):
-                rid = next(self._ids)
-                child = self.Sequence(rid, list(parent.prompt_token_ids), parent.params,
-                                      arrival_time=parent.arrival_time, parent_id=parent.request_id)
-                child.generator = make_generator(parent.params, self.model.device, completion)
-                child.num_cached_tokens = parent.num_cached_tokens
-                self.allocator.fork(parent.request_id, rid)
-                self.scheduler.adopt(child)
-                self.requests[rid] = child
-                out.prefills.append(child)
-                tokens.append(sample(logits[row:row + 1], [parent.params], [child.generator])[0])
-                forked.append((parent.request_id, rid))
-        return forked
+        rows, params, generators, counts = [], [], [], []
+        for row, seq in enumerate(out.sequences):
+            done = seq.num_computed_tokens + out.num_new_tokens(seq) == seq.num_tokens
+            completions = [seq.generator] + seq.sibling_generators if done else []
+            rows += [row] * len(completions)
+            params += [seq.params] * len(completions)
+            generators += completions
+            counts.append(len(completions))
+        tokens = sample(logits[rows], params, generators) if rows else []
+        sampled, start = [], 0
+        for count in counts:
+            sampled.append(tokens[start:start + count])
+            start += count
+        return sampled
 
-    def prepare(self, out) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Pack the scheduled sequences into one batch: input_ids, positions [1, N] and metadata."""
-        input_ids, positions, slots, tables, context_lens, num_new = [], [], [], [], [], []
-        for seq in out.sequences:
-            start = seq.num_computed_tokens  # the uncached tokens, or the next chunk of them
-            end = start + out.num_new_tokens(seq)
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += self.allocator.slot_mapping(seq.request_id, start, end)
-            tables.append(self.allocator.block_table(seq.request_id))
-            context_lens.append(end)
-            num_new.append(end - start)
-        device = self.model.device
-        meta = AttentionMetadata.build(tables, context_lens, num_new, slots, len(out.decodes), device)
-        return (torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), meta)
-
-    def _trace(self, out, work, result: StepOutput, seconds: float) -> StepTrace:
+    def _trace(self, out, work, sampled, result: StepOutput, seconds: float) -> StepTrace:
         slots = [SlotState(None, "empty", 0) for _ in range(self.config.max_num_seqs)]
         for request_id, slot, phase, num_tokens, _ in work:
             slots[slot] = SlotState(request_id, phase, num_tokens)
@@ -281,8 +267,9 @@ class Engine:
             block_owners=self.allocator.block_owners(),
             num_tokens=num_tokens, num_useful_tokens=num_tokens,  # no padding, no idle rows
             time_s=seconds,
-            new_tokens=list(result.new_tokens),
-            cached_free_blocks=(self.allocator.cached_free_blocks() if self.config.enable_prefix_caching else []),
+            new_tokens=[(seq.request_id, tokens[0]) for seq, tokens in zip(out.sequences, sampled) if tokens]
+                       + [(seq.request_id, seq.output_token_ids[0]) for seq in out.forked],
+            cached_free_blocks=self.allocator.cached_free_blocks(),
             shared_blocks=sorted(block for block, count in holders.items() if count > 1),
             cached_tokens=[(request_id, cached) for request_id, _, _, _, cached in work if request_id in admitted],
             # Chunked prefill never exceeds it; whole-prompt admission uses it to admit, but a

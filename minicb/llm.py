@@ -171,15 +171,14 @@ class LLM:
         return self._events(prompts, params, arrival_times)
 
     def _events(self, prompts, params, arrival_times) -> Iterator[StreamEvent]:
-        # Everything here comes from what engine.step() returns: the new tokens,
-        # the completions forked (n > 1), and the finished requests, which the
-        # engine hands over and forgets.
+        # Everything here comes from what engine.step() returns: the new tokens, each
+        # named by its request and completion, and the finished completions, which
+        # the engine hands over and forgets.
         arrivals = sorted(range(len(prompts)), key=lambda i: arrival_times[i] if arrival_times else 0.0)
         start = time.perf_counter()
-        index_of: dict[int, int] = {}  # request id (a completion's too) -> prompt index
-        completion_of: dict[int, int] = {}  # request id -> which of its prompt's n completions
+        index_of: dict[int, int] = {}  # request id -> prompt index
         done: dict[int, dict[int, Sequence]] = {}  # prompt index -> completion -> finished Sequence
-        live: set[int] = set()  # this call's completions still waiting or running
+        live: set[int] = set()  # this call's requests with a completion still waiting or running
         self.engine.traces.clear()
         pending = list(arrivals)
         try:
@@ -189,28 +188,25 @@ class LLM:
                     i = pending.pop(0)
                     arrive = start + (arrival_times[i] if arrival_times else 0.0)
                     rid = self.engine.add_request(prompts[i], params[i], arrival_time=arrive)
-                    index_of[rid], completion_of[rid], done[i] = i, 0, {}
+                    index_of[rid], done[i] = i, {}
                     live.add(rid)
                 if not self.engine.has_unfinished():
                     time.sleep(max(0.0, arrival_times[pending[0]] - now))  # idle until the next arrival
                     continue
                 step = self.engine.step()
-                for parent, child in step.forked:  # each parent's children in completion order
-                    siblings = [c for p, c in step.forked if p == parent]
-                    index_of[child], completion_of[child] = index_of[parent], 1 + siblings.index(child)
-                    live.add(child)
-                finished = {seq.request_id: seq for seq in step.finished}
-                live -= finished.keys()
-                for rid, seq in finished.items():
-                    done[index_of[rid]][completion_of[rid]] = seq
+                for seq in step.finished:
+                    i = index_of[seq.owner_id]
+                    done[i][seq.completion] = seq
+                    if len(done[i]) == params[i].n:
+                        live.discard(seq.owner_id)
                 # A request's output goes with the last token of its last completion to finish
                 # (several of its completions can finish in the same step).
-                last_token_of = {index_of[rid]: k for k, (rid, _) in enumerate(step.new_tokens)}
-                for k, (rid, token) in enumerate(step.new_tokens):
-                    i = index_of[rid]
+                last_token_of = {index_of[t.request_id]: k for k, t in enumerate(step.new_tokens)}
+                for k, t in enumerate(step.new_tokens):
+                    i = index_of[t.request_id]
                     last = len(done[i]) == params[i].n and last_token_of[i] == k
                     output = self._output(done[i], i, start) if last else None
-                    yield StreamEvent(i, token, output, completion_of[rid])
+                    yield StreamEvent(i, t.token, output, t.completion)
         finally:
             for rid in live:  # a caller that stops early leaves nothing running
                 self.engine.abort(rid)

@@ -4,11 +4,19 @@ In this file you will learn the bookkeeping of continuous batching, with no
 tensors in sight:
 - requests wait in a FIFO queue; running requests sit in `max_num_seqs` fixed
   slots (the rows of the batch);
-- every step, each running request decodes one token, and waiting requests are
-  admitted into free slots *in the same step* as prefills -- as long as a slot
-  is free, the KV pool has blocks for the whole prompt (plus a small watermark
-  kept back for the running requests to grow into), and the step's token budget
-  allows;
+- every request has `num_computed_tokens` (tokens whose K/V are in the cache)
+  catching up to `num_tokens` (prompt + outputs). One rule schedules them all:
+  a step has a budget of `max_num_batched_tokens` tokens, and each request in
+  turn -- the running ones first, then new ones from the front of the queue --
+  gets `tokens_to_compute(what it still needs, what is left of the budget)`.
+  A decoding request needs 1 (its newest token); a new prompt needs all of it;
+- this chapter's rule admits a prompt whole or not at all: one that does not
+  fit what is left of the budget waits, unless the step is still empty.
+  Chapter 08 (minicb/chunked_prefill.py) changes only that rule, and prompts
+  are cut into chunks; nothing else here changes;
+- a new request is admitted when a slot is free (with slots for its n - 1
+  sibling completions, n > 1), and the KV pool has blocks for all its tokens
+  plus a small watermark kept back for the running requests to grow into;
 - a request that finishes (EOS, stop token, max_tokens) leaves its slot at once
   and its blocks go back to the pool, so the next step can refill the slot;
 - when a running request needs a new block and none is free, the *newest*
@@ -20,6 +28,7 @@ The engine (minicb/engine.py) calls `schedule()` before the forward pass and
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -46,14 +55,19 @@ class RequestStatus(str, Enum):
 
 @dataclass
 class Sequence:
-    """Everything the engine knows about one request, from arrival to finish.
+    """Everything the engine knows about one completion of a request, from arrival to finish.
 
     There is no other record: the engine, the scheduler and the allocator hold a
-    request only while it waits or runs, and let go of this object in the step
+    sequence only while it waits or runs, and let go of this object in the step
     that finishes it (or when it is aborted), by handing it out.
+
+    A request with n > 1 completions (parallel sampling) is n sequences. The first
+    is the one add_request made (`completion` 0); the other n - 1 are forked from
+    it when its prompt is computed, each with its own `request_id` (the key of its
+    blocks and slot), `parent_id` naming the first, and its `completion` index.
     """
 
-    request_id: int
+    request_id: int  # this sequence's own id: the key of its blocks and its slot
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0  # time.perf_counter() when it was added
@@ -67,9 +81,12 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    parent_id: int | None = None  # parallel sampling: the request this completion belongs to (None: itself)
+    parent_id: int | None = None  # parallel sampling: completion 0's request_id (None: it is completion 0)
+    completion: int = 0  # parallel sampling: which of its request's n completions this is
     forked: bool = False  # parallel sampling: its n - 1 sibling completions exist (or n = 1)
     generator: torch.Generator | None = None  # its own torch.Generator for seeded sampling (None: greedy or unseeded)
+    # Parallel sampling: the generators of completions 1 .. n - 1, kept here until they are forked.
+    sibling_generators: list = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -79,31 +96,47 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def owner_id(self) -> int:
+        """The id add_request returned for the request this completion belongs to."""
+        return self.request_id if self.parent_id is None else self.parent_id
+
+    @property
+    def is_decoding(self) -> bool:
+        """It has outputs, and all its tokens but the newest are computed: it computes 1 token a step."""
+        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+
+    @property
+    def siblings_to_come(self) -> int:
+        """Slots its sibling completions will need when it forks: n - 1 until then, 0 after."""
+        return 0 if self.forked else self.params.n - 1
+
 
 @dataclass
 class SchedulerOutput:
     """What the engine computes this step. Decodes come first in the batch, then prefills."""
 
-    decodes: list[Sequence] = field(default_factory=list)  # one new token each
-    prefills: list[Sequence] = field(default_factory=list)  # all their uncached tokens (or a chunk of them)
+    decodes: list[Sequence] = field(default_factory=list)  # their newest token: 1 each
+    prefills: list[Sequence] = field(default_factory=list)  # prompt tokens (prompt + outputs after a preemption)
+    # request_id -> how many tokens it computes this step: positions
+    # [num_computed_tokens, num_computed_tokens + this). Every scheduled sequence is here.
+    num_scheduled: dict[int, int] = field(default_factory=dict)
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies
-    # Chunked prefill (chapter 08): request_id -> tokens it computes this step, when fewer
-    # than all its uncomputed ones. Chapter 06 leaves it empty: a prefill is whole.
-    num_scheduled: dict[int, int] = field(default_factory=dict)
+    forked: list[Sequence] = field(default_factory=list)  # completions born in postprocess (n > 1)
 
     @property
     def sequences(self) -> list[Sequence]:
         return self.decodes + self.prefills
 
     def num_new_tokens(self, seq: Sequence) -> int:
-        """Tokens `seq` computes this step: positions [num_computed_tokens, num_computed_tokens + this)."""
-        return self.num_scheduled.get(seq.request_id, seq.num_tokens - seq.num_computed_tokens)
+        """Tokens `seq` computes this step."""
+        return self.num_scheduled[seq.request_id]
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.num_scheduled
 
 
 class Scheduler:
@@ -124,6 +157,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.slots: list[Sequence | None] = [None] * max_num_seqs
+        self._ids = itertools.count()  # request ids: add_request's and forked completions' alike
+
+    def new_request_id(self) -> int:
+        return next(self._ids)
 
     # ---- requests in ------------------------------------------------------------
 
@@ -169,104 +206,166 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work: decodes of the running requests, then new prefills."""
+        """Pick this step's work: the running requests first, then new ones, within one token budget."""
         out = SchedulerOutput()
-        if self.running:  # (the first step has nothing to decode: admission comes first)
-            self.schedule_decodes(out)
-        self.admit(out)
+        budget = self.schedule_running(out, self.max_num_batched_tokens)
+        self.admit(out, budget)
         return out
 
-    def schedule_decodes(self, out: SchedulerOutput) -> None:
-        """Give every running request one more token slot, preempting the newest when blocks run out."""
-        # Oldest first, so when blocks run out, the newest requests give theirs up.
-        for seq in list(self.running):
+    def tokens_to_compute(self, num_remaining: int, budget: int, step_is_empty: bool) -> int:
+        """The one rule: how many of a request's `num_remaining` uncomputed tokens it computes now.
+
+        Chapter 06 computes a prompt whole: all of it if it fits what is left of
+        the budget, or if nothing else is in the step yet (a prompt longer than
+        the budget must run some time); otherwise 0, and it waits. A decode (1
+        token) waits only when the budget is spent. Chapter 08 cuts instead.
+        """
+        return num_remaining if num_remaining <= budget or step_is_empty else 0
+
+    def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give each running request its tokens under the budget, decodes first; returns the budget left.
+
+        Oldest first within decodes, then within requests still computing their
+        prompt. Each gets tokens_to_compute(what it still needs, budget left), and
+        blocks for them (grow), preempting the newest running request while the
+        pool is short.
+        """
+        decoding = [seq for seq in self.running if seq.is_decoding]
+        prefilling = [seq for seq in self.running if not seq.is_decoding]
+        for seq in decoding + prefilling:
             if seq.status != RequestStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older request
-            while not self.allocator.can_append(seq.request_id):
+            num_new = self.tokens_to_compute(seq.num_tokens - seq.num_computed_tokens, budget, out.is_empty)
+            if num_new == 0 or not self.grow(seq, seq.num_computed_tokens + num_new, out):
+                continue  # waits for budget, or was itself the newest and gave its blocks up
+            self.put(seq, num_new, out)
+            budget -= num_new
+        return budget
+
+    def admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Move requests from the front of the queue into free slots while slots, blocks and budget last."""
+        # Not in a step that just preempted: the pool is short, and the preempted
+        # requests are at the front of the queue anyway.
+        while self.waiting and not out.preempted:
+            seq = self.waiting[0]
+            if self.slots_promised() + 1 + seq.siblings_to_come > self.max_num_seqs:
+                break  # no slot for it, or not for all its n completions at once
+            # Blocks already cached for its prefix (chapter 07) are shared, not computed:
+            # only the rest costs budget. The plain allocator has no cache: 0.
+            cached = self.allocator.num_cached_tokens(seq.token_ids)
+            num_new = self.tokens_to_compute(seq.num_tokens - cached, budget, out.is_empty)
+            if num_new == 0:
+                break  # too much work for this step; it goes first next step
+            reserve = self.watermark_blocks if self.running else 0
+            if self.allocator.free_blocks_needed(seq.token_ids) + reserve > self.allocator.num_free_blocks:
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            # Blocks for every token (prompt, plus earlier outputs when recomputing).
+            cached = self.allocator.allocate_prefix(seq.request_id, seq.token_ids)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
+            seq.status, seq.num_computed_tokens = RequestStatus.RUNNING, cached
+            self.take_slot(seq)
+            out.admitted.append(seq.request_id)
+            self.put(seq, num_new, out)
+            budget -= num_new
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[list[int]], now: float) -> list[Sequence]:
+        """Record the step: tokens computed, tokens sampled, completions forked, sequences finished.
+
+        sampled[i] holds the tokens sampled for out.sequences[i]: none for a chunk
+        of a longer prompt, one for a sequence that computed its last token, and n
+        for a request with n > 1 completions whose prompt just finished (one per
+        completion, in completion order). Returns the finished sequences.
+        """
+        finished = []
+        for seq, tokens in zip(out.sequences, sampled):
+            seq.num_computed_tokens += out.num_new_tokens(seq)  # everything fed this step is now cached
+            if not tokens:
+                continue  # a chunk of a longer prompt (chapter 08): its last logits predict a prompt token
+            completions = [seq] + self.fork(seq, len(tokens) - 1, out)
+            for completion, token in zip(completions, tokens):
+                completion.output_token_ids.append(token)
+                if completion.first_token_time is None:
+                    completion.first_token_time = now
+                reason = finish_reason(token, len(completion.output_token_ids), completion.params,
+                                       self.eos_token_ids, completion.num_tokens, self.max_model_len)
+                if reason:
+                    completion.finish_time = now
+                    self.finish(completion, reason)
+                    finished.append(completion)
+        return finished
+
+    # ---- the helpers of one step ----------------------------------------------------------
+
+    def slots_promised(self) -> int:
+        """Slots taken or promised: every running sequence's, and its siblings' that will fork from it."""
+        return sum(1 + seq.siblings_to_come for seq in self.running)
+
+    def grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Make `seq`'s blocks hold `num_tokens` tokens, preempting the newest running request while short.
+
+        Returns False if `seq` itself was the newest and was preempted. Copy-on-write
+        copies go to out.block_copies, preemptions to out.preempted.
+        """
+        while self.allocator.num_tokens(seq.request_id) < num_tokens:
+            if not self.allocator.can_append(seq.request_id):
                 victim = self.running[-1]
                 self.preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is seq:
-                    break
-            if seq.status == RequestStatus.RUNNING:
-                copy = self.allocator.append(seq.request_id)
-                if copy is not None:
-                    out.block_copies.append(copy)
-                out.decodes.append(seq)
+                    return False
+                continue
+            copy = self.allocator.append(seq.request_id)
+            if copy is not None:
+                out.block_copies.append(copy)
+        return True
 
-    def admit(self, out: SchedulerOutput) -> None:
-        """Move requests from the front of the queue into free slots, as prefills."""
-        # Admit while there is a slot, blocks (beyond the watermark) and token budget.
-        # Not in a step that just preempted: the pool is short, and the preempted
-        # requests are at the front of the queue anyway.
-        budget = self.max_num_batched_tokens - len(out.decodes)
-        # With a prefix-caching allocator (minicb/prefix_cache.py), blocks already
-        # cached for a request's prefix are shared, not computed: only the rest costs
-        # budget and free blocks. (Chapter 07; chapter 06 needs none of it.)
-        caching = hasattr(self.allocator, "allocate_prefix")
-        promised = 0  # slots for the siblings of this step's n > 1 requests, which fork at its end
-        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            siblings = 0 if seq.forked else seq.params.n - 1
-            if len(self.running) + promised + 1 + siblings > self.max_num_seqs:
-                break  # parallel sampling: all n completions need a slot together
-            num_tokens = seq.num_tokens  # prompt, plus earlier outputs when recomputing
-            cached = self.allocator.num_cached_tokens(seq.token_ids) if caching else 0
-            if num_tokens - cached > budget and (out.decodes or out.prefills):
-                break  # too much work for this step; it goes first next step
-            reserve = self.watermark_blocks if self.running else 0
-            need = (self.allocator.free_blocks_needed(seq.token_ids) if caching
-                    else self.allocator.blocks_needed(num_tokens))
-            if need + reserve > self.allocator.num_free_blocks:
-                break  # FIFO: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            if caching:
-                cached = self.allocator.allocate_prefix(seq.request_id, seq.token_ids)
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = cached
-            else:
-                self.allocator.allocate(seq.request_id, num_tokens)
-            seq.status, seq.num_computed_tokens = RequestStatus.RUNNING, cached
-            seq.slot = self.slots.index(None)
-            self.slots[seq.slot] = seq
-            self.running.append(seq)
-            out.prefills.append(seq)
-            out.admitted.append(seq.request_id)
-            budget -= num_tokens - cached
-            promised += siblings
+    def put(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        """Schedule `num_new` tokens of `seq` in this step."""
+        (out.decodes if seq.is_decoding else out.prefills).append(seq)
+        out.num_scheduled[seq.request_id] = num_new
+        # Chapter 07: the full blocks whose tokens are all computed by the end of this
+        # step get their keys now, so a request admitted later in this same step
+        # already shares them. That is safe: in the forward every layer writes the
+        # step's K/V before any attention reads it. (The plain allocator keys nothing.)
+        self.allocator.cache_full_blocks(seq.request_id, seq.token_ids[:seq.num_computed_tokens + num_new])
 
-    def postprocess(self, out: SchedulerOutput, new_tokens: list[int], now: float) -> list[Sequence]:
-        """Append each scheduled sequence's sampled token; evict the finished. Returns them."""
-        finished = []
-        for seq, token in zip(out.sequences, new_tokens):
-            seq.num_computed_tokens += out.num_new_tokens(seq)  # everything fed this step is now cached
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a chunk of a longer prompt (chapter 08): no token is sampled until it is all computed
-            seq.output_token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = finish_reason(token, len(seq.output_token_ids), seq.params, self.eos_token_ids,
-                                   seq.num_tokens, self.max_model_len)
-            if reason:
-                seq.finish_time = now
-                self.finish(seq, reason)
-                finished.append(seq)
-        return finished
+    def take_slot(self, seq: Sequence) -> None:
+        """Put a sequence (admitted, or a forked completion) into the lowest free slot, running."""
+        seq.status = RequestStatus.RUNNING
+        seq.slot = self.slots.index(None)
+        self.slots[seq.slot] = seq
+        self.running.append(seq)
+
+    def fork(self, parent: Sequence, count: int, out: SchedulerOutput) -> list[Sequence]:
+        """Parallel sampling: `count` more completions of `parent`, whose prompt was just computed.
+
+        Each shares all of the parent's blocks (allocator.fork): the prompt is
+        computed once, and the shared last block is copied when a completion first
+        writes into it (chapter 03's copy-on-write). They take the slots promised
+        at admission, and the generators kept in parent.sibling_generators. They are
+        recorded in out.forked. count 0 forks nothing.
+        """
+        if count == 0:
+            return []
+        children = []
+        for completion in range(1, count + 1):
+            child = type(parent)(self.new_request_id(), list(parent.prompt_token_ids), parent.params,
+                                 arrival_time=parent.arrival_time, num_computed_tokens=parent.num_computed_tokens,
+                                 num_cached_tokens=parent.num_cached_tokens, parent_id=parent.request_id,
+                                 completion=completion, forked=True,
+                                 generator=parent.sibling_generators[completion - 1])
+            self.allocator.fork(parent.request_id, child.request_id)
+            self.take_slot(child)
+            out.forked.append(child)
+            children.append(child)
+        parent.forked, parent.sibling_generators = True, []
+        return children
 
     # ---- moving sequences between the queues --------------------------------------
 
-    def adopt(self, child: Sequence) -> None:
-        """Put a forked completion (parallel sampling) into a free slot, running.
-
-        Its blocks come from allocator.fork(); admit() kept the slot free for it.
-        """
-        child.status, child.forked = RequestStatus.RUNNING, True
-        child.slot = self.slots.index(None)
-        self.slots[child.slot] = child
-        self.running.append(child)
-
     # The exercise's methods call preempt() and finish(); _release() is theirs alone.
-
     def _release(self, seq: Sequence) -> None:
         """Give a running sequence's blocks back to the allocator and empty its slot."""
         self.allocator.free(seq.request_id)

@@ -63,7 +63,7 @@ def test_2000_requests_leave_nothing_behind(tiny):
         alive.append(weakref.ref(engine.requests[rid]))
         if rng.random() < 0.1:  # abort a random live request: waiting or running
             victim = rng.choice(sorted(engine.requests))
-            aborted = engine.abort(victim)
+            (aborted,) = engine.abort(victim)
             assert aborted.finish_reason == "abort" and aborted.status == RequestStatus.FINISHED
             aborted_ids.add(victim)
             del aborted
@@ -94,9 +94,10 @@ def test_step_reports_each_scheduled_token_and_each_finish_once(tiny):
     while engine.has_unfinished():
         out = engine.step()
         assert out.trace is None and not engine.traces, "keep_traces=0 (the default) records no trace"
-        rids = [rid for rid, _ in out.new_tokens]
+        rids = [t.request_id for t in out.new_tokens]
         assert len(rids) == len(set(rids)) <= 2, f"one token per scheduled request, at most 2 slots: {rids}"
-        for rid, token in out.new_tokens:
+        for rid, completion, token in out.new_tokens:
+            assert completion == 0, f"n = 1: every token is completion 0's, got completion {completion}"
             tokens[rid].append(token)
         for seq in out.finished:
             assert seq.output_token_ids == tokens[seq.request_id], (

@@ -17,7 +17,7 @@
 #   2. kernel      the Triton decode kernels at batch 64 x ctx 4096, bf16: bandwidth as a share
 #                  of a measured device-to-device copy (python -m minicb.triton_attention)
 #   3. tile        the query-tile kernel beside chapter 05's prefill (python -m minicb.tile_attention)
-#   4. graphs      decode steps at batch 32, eager vs CUDA graphs (python -m minicb.cuda_graphs)
+#   4. graphs      decode steps at batch 32, eager vs CUDA graphs (python tools/cuda_graph_bench.py)
 #   5. model       SmolLM2's config and tokenizer from the bundle, random weights (tools/gpu_bundle.py)
 #   6. engine      the bench on that model in bf16, replaying the real model's answer lengths:
 #                  minicb continuous (graphs on, and off: minicb-eager) vs HF generate and
@@ -104,7 +104,7 @@ fi
 run tests 120 "$PY" -m pytest -q -rfEs -p no:cacheprovider -m "not slow" "${tests[@]}"
 run kernel 45 "$PY" -m minicb.triton_attention --batch 64 --ctx 4096 --dtype bfloat16 --json "$OUT/kernel.json"
 run tile 45 "$PY" -m minicb.tile_attention --dtype bfloat16
-run graphs 45 "$PY" -m minicb.cuda_graphs --seqs 32 --json "$OUT/graphs.json"
+run graphs 45 "$PY" tools/cuda_graph_bench.py --seqs 32 --json "$OUT/graphs.json"
 run model 45 "$PY" tools/gpu_bundle.py model --bundle "$BUNDLE" --out "$OUT/model" "${model_args[@]}"
 run engine 150 "$PY" -m minicb bench --model "$OUT/model" --workload chat \
     --lengths-json "$BUNDLE/chat_output_lengths.json" --device "$device" --dtype bfloat16 --attention triton \

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
              "", "## Parts", "", *parts_table(out),
              "", "## Tests", "", *test_lines(out),
              "", "## Kernel bandwidth (`python -m minicb.triton_attention`)", "", *kernel_lines(out),
-             "", "## Decode steps: eager vs CUDA graphs (`python -m minicb.cuda_graphs`)", "", *graph_lines(out),
+             "", "## Decode steps: eager vs CUDA graphs (`python tools/cuda_graph_bench.py`)", "", *graph_lines(out),
              "", "## Query-tile kernel vs chapter 05's prefill (`python -m minicb.tile_attention`)", "",
              "```", tail(out / "tile.log", 12), "```",
              "", "## Engine benchmark (`python -m minicb bench`)", "",
