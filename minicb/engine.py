@@ -174,7 +174,10 @@ class Engine:
         """Stop a request's waiting or running completions now (one, or all); returns them, and forgets them.
 
         request_id is what add_request returned. Each returned sequence ends with
-        finish_reason "abort". KeyError if none of them waits or runs.
+        finish_reason "abort". Completion 0 of an n > 1 request aborted before its
+        prompt was computed takes the other completions with it: they were never
+        forked, and its `siblings_to_come` says how many. KeyError if none of them
+        waits or runs.
         """
         victims = [seq for seq in self.requests.values() if seq.owner_id == request_id
                    and (completion is None or seq.completion == completion)]

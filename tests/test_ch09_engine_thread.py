@@ -1,13 +1,15 @@
 """Chapter 09: the engine thread's three functions, on their own (minicb/serve/loop.py).
 
 Task 1, group_step: one StepOutput becomes each handle's events. Built by hand
-first (forks, unknown ids, finished completions), then on the tiny engine: every
-handle's tokens, collected step by step through group_step, must equal
-`LLM.generate`'s, for greedy and for n = 3 seeded requests.
+first (unknown ids, finished completions, a request with n completions that
+stays until all n have ended), then on the tiny engine: every handle's tokens,
+collected step by step through group_step, must equal `LLM.generate`'s, for
+greedy and for n = 3 seeded requests.
 
 Task 2, take_commands and apply_commands: the inbox is drained before each step,
 submits then aborts apply in order, an abort frees the request's blocks at once
-(before any further step), and aborting what already finished is harmless.
+(before any further step), one completion of n is aborted alone (completion 0
+too), and aborting what already finished is harmless.
 
 Each test grades one task, with the reference standing in for the other (the
 one_task fixture in conftest.py). Every wait is bounded: a take_commands that
@@ -23,7 +25,7 @@ import time
 import pytest
 
 from minicb import LLM, SamplingParams, impl
-from minicb.engine import StepOutput
+from minicb.engine import NewToken, StepOutput
 from minicb.model import random_model
 from minicb.naive import first_difference
 from minicb.scheduler import Sequence
@@ -49,10 +51,31 @@ def handle(prompt=(5, 6, 7), params=None, arrival=None) -> RequestHandle:
     return h
 
 
-def finished(rid: int, reason: str) -> Sequence:
-    seq = Sequence(rid, [1, 2], SamplingParams(max_tokens=2))
+def finished(request_id: int, completion: int, reason: str) -> Sequence:
+    """Completion `completion` of the request add_request called `request_id`, finished, as the engine hands it out.
+
+    Completions 1 .. n - 1 are sequences of their own, with internal ids of their own:
+    only seq.owner_id and seq.completion name them to the caller.
+    """
+    own_id = request_id if completion == 0 else 1000 * request_id + completion
+    seq = Sequence(own_id, [1, 2], SamplingParams(max_tokens=2), completion=completion,
+                   parent_id=None if completion == 0 else request_id)
     seq.finish_reason = reason
     return seq
+
+
+def tokens(*triples) -> list[NewToken]:
+    """(request_id, completion, token) triples -> the NewTokens of a StepOutput."""
+    return [NewToken(*t) for t in triples]
+
+
+def n_of(n: int, max_tokens: int = 4) -> SamplingParams:
+    return SamplingParams(n=n, temperature=0.8, seed=3, max_tokens=max_tokens)
+
+
+def live_completions(engine, h) -> list[int]:
+    """The completions of h's request that the engine still has (waiting or running)."""
+    return sorted(s.completion for s in engine.requests.values() if s.owner_id == h.request_id)
 
 
 def engine_for(model, **config):
@@ -69,7 +92,11 @@ def show(mapping) -> dict:
     if not isinstance(mapping, dict):
         return mapping
     return {(f"handle {k.id}" if isinstance(k, RequestHandle) else k):
-            ((f"handle {v[0].id}", v[1]) if isinstance(v, tuple) else v) for k, v in mapping.items()}
+            (f"handle {v.id}" if isinstance(v, RequestHandle) else v) for k, v in mapping.items()}
+
+
+def show_aborted(applied) -> list:
+    return [(f"handle {h.id}", c) for h, c in applied.aborted]
 
 
 def within(seconds: float, function, *args):
@@ -97,45 +124,56 @@ def within(seconds: float, function, *args):
 @pytest.mark.task(1)
 def test_tokens_are_grouped_per_handle_in_the_steps_order():
     group_step = impl.load("serve.loop").group_step
-    a, b = handle(), handle()
-    owners = {10: (a, 0), 11: (b, 0), 12: (a, 1)}
-    out = StepOutput(new_tokens=[(11, 7), (10, 3), (12, 4), (99, 1)])  # 99: nobody's (aborted a moment ago)
+    a, b = handle(params=n_of(2)), handle()
+    owners = {10: a, 11: b}
+    out = StepOutput(new_tokens=tokens((11, 0, 7), (10, 0, 3), (10, 1, 4), (99, 0, 1)))  # 99: nobody's
     got = group_step(out, owners)
     want = {a: [Token(0, 3), Token(1, 4)], b: [Token(0, 7)]}
-    assert got == want, f"group_step gave {show(got)}, want {show(want)} (id 99 is not in owners: skip it)"
-    assert owners == {10: (a, 0), 11: (b, 0), 12: (a, 1)}, f"no request finished, yet owners became {show(owners)}"
+    assert got == want, f"group_step gave {show(got)}, want {show(want)} (request 99 is not in owners: skip it)"
+    assert owners == {10: a, 11: b}, f"no request finished, yet owners became {show(owners)}"
     assert group_step(StepOutput(), owners) == {}, "an empty step gives no events, and no handle in the result"
 
 
 @pytest.mark.task(1)
-def test_a_finished_completion_ends_after_its_last_token_and_leaves_owners():
+def test_a_finished_completion_ends_after_its_last_token_and_a_finished_request_leaves_owners():
     group_step = impl.load("serve.loop").group_step
-    a, b = handle(), handle()
-    owners = {10: (a, 0), 11: (b, 0), 12: (a, 1)}
-    out = StepOutput(new_tokens=[(10, 3), (12, 4), (11, 9)], finished=[finished(12, "length"), finished(11, "stop"),
-                                                                        finished(77, "stop")])
+    a, b = handle(params=n_of(2)), handle()
+    owners = {10: a, 11: b}
+    out = StepOutput(new_tokens=tokens((10, 0, 3), (10, 1, 4), (11, 0, 9)),
+                     finished=[finished(10, 1, "length"), finished(11, 0, "stop"), finished(77, 0, "stop")])
     got = group_step(out, owners)
     want = {a: [Token(0, 3), Token(1, 4), Finished(1, "length")], b: [Token(0, 9), Finished(0, "stop")]}
     assert got == want, f"group_step gave {show(got)}, want {show(want)}"
-    assert owners == {10: (a, 0)}, f"finished ids 11 and 12 must leave owners (77 was never there); left {show(owners)}"
+    assert owners == {10: a}, (f"request 11 (n = 1) ended and must leave owners; request 10 (n = 2) still runs "
+                               f"its completion 0 and must stay (77 was never there); owners: {show(owners)}")
+    assert (a.ended, b.ended) == ({1}, {0}), f"ended completions: a {a.ended}, b {b.ended}; want {{1}} and {{0}}"
 
 
 @pytest.mark.task(1)
-def test_forked_children_become_completions_1_to_n_minus_1_of_their_handle():
+def test_a_request_with_n_completions_stays_in_owners_until_all_n_have_ended():
     group_step = impl.load("serve.loop").group_step
-    a, b = handle(), handle()
-    a.request_ids[0], b.request_ids[0] = 4, 5
-    owners = {4: (a, 0), 5: (b, 0)}
-    # Request 4 (n = 3) and request 5 (n = 2) computed their prompts in this step: each child has its first
-    # token in the same step, and child 8 (max_tokens 1) finishes at once.
-    out = StepOutput(new_tokens=[(4, 40), (5, 50), (6, 41), (7, 42), (8, 51)], forked=[(4, 6), (5, 8), (4, 7)],
-                     finished=[finished(8, "length")])
+    a, b = handle(params=n_of(3)), handle(params=n_of(2))
+    b.ended = {1}  # b's completion 1 was aborted earlier (a stop string): only its completion 0 runs
+    owners = {4: a, 5: b}
+    # Request 4 computed its prompt in this step: completions 0, 1, 2 each get a first token, and
+    # completion 1 ends at once (EOS).
+    out = StepOutput(new_tokens=tokens((4, 0, 40), (4, 1, 41), (4, 2, 42), (5, 0, 50)),
+                     finished=[finished(4, 1, "stop")])
     got = group_step(out, owners)
-    want = {a: [Token(0, 40), Token(1, 41), Token(2, 42)], b: [Token(0, 50), Token(1, 51), Finished(1, "length")]}
-    assert got == want, f"group_step gave {show(got)}, want {show(want)}"
-    assert a.request_ids == {0: 4, 1: 6, 2: 7}, f"handle a's request_ids: {a.request_ids}, want {{0: 4, 1: 6, 2: 7}}"
-    assert b.request_ids == {0: 5, 1: 8}, f"handle b's request_ids: {b.request_ids}, want {{0: 5, 1: 8}}"
-    assert owners == {4: (a, 0), 5: (b, 0), 6: (a, 1), 7: (a, 2)}, f"owners after the step: {show(owners)}"
+    want = {a: [Token(0, 40), Token(1, 41), Token(2, 42), Finished(1, "stop")], b: [Token(0, 50)]}
+    assert got == want, f"step 1: group_step gave {show(got)}, want {show(want)}"
+    assert owners == {4: a, 5: b}, (f"after step 1 request 4 still runs completions 0 and 2: it must stay in "
+                                    f"owners until all 3 have ended; owners: {show(owners)}")
+    # The next step: completions 0 and 2 of request 4 go on; both end, and so does b's last one.
+    out = StepOutput(new_tokens=tokens((4, 0, 43), (4, 2, 44), (5, 0, 51)),
+                     finished=[finished(4, 2, "length"), finished(5, 0, "length"), finished(4, 0, "length")])
+    got = group_step(out, owners)
+    want = {a: [Token(0, 43), Token(2, 44), Finished(2, "length"), Finished(0, "length")],
+            b: [Token(0, 51), Finished(0, "length")]}
+    assert got == want, (f"step 2: group_step gave {show(got)}, want {show(want)} (a completion that has not "
+                         f"ended keeps getting its tokens after a sibling's Finished)")
+    assert owners == {}, (f"every completion of both requests has ended (b's completion 1 by an abort: it is in "
+                          f"b.ended), so both must leave owners; owners: {show(owners)}")
 
 
 @pytest.mark.task(1)
@@ -148,8 +186,8 @@ def test_the_engines_steps_through_group_step_give_generates_tokens(tiny):
     handles = [handle(p, sp) for p, sp in zip(prompts, params)]
     owners = {}
     for h in handles:
-        h.request_ids[0] = engine.add_request(h.prompt_token_ids, h.params)
-        owners[h.request_ids[0]] = (h, 0)
+        h.request_id = engine.add_request(h.prompt_token_ids, h.params)
+        owners[h.request_id] = h
     tokens = [[[] for _ in range(h.params.n)] for h in handles]
     reasons = [[None] * h.params.n for h in handles]
     for _ in range(200):
@@ -214,9 +252,9 @@ def test_add_registers_completion_0_and_a_refused_add_fails_only_its_handle(tiny
     good, bad, other = handle(arrival=123.5), handle(prompt=[5] * 300), handle([8, 9])  # 300 tokens: never fits
     applied = apply_commands(engine, owners, [("add", good, None), ("add", bad, None), ("add", other, None)])
     assert not applied.stop and applied.aborted == [], f"nothing was stopped or aborted: {applied}"
-    rids = [good.request_ids.get(0), other.request_ids.get(0)]
-    assert None not in rids, f"request_ids[0] must be set on every accepted handle: {good.request_ids}, {other.request_ids}"
-    assert owners == {rids[0]: (good, 0), rids[1]: (other, 0)}, f"owners: {show(owners)}"
+    rids = [good.request_id, other.request_id]
+    assert None not in rids, f"request_id must be set on every accepted handle: {rids}"
+    assert owners == {rids[0]: good, rids[1]: other}, f"owners: {show(owners)}"
     assert engine.requests[rids[0]].arrival_time == 123.5, "pass the handle's arrival time to add_request"
     assert engine.requests[rids[1]].prompt_token_ids == [8, 9]
     assert list(applied.failed) == [bad] and len(applied.failed[bad]) == 1, f"failed: {applied.failed}"
@@ -224,7 +262,7 @@ def test_add_registers_completion_0_and_a_refused_add_fails_only_its_handle(tiny
         engine.check_request(bad.prompt_token_ids, bad.params)
     want = Failed(f"{type(refused.value).__name__}: {refused.value}")
     assert applied.failed[bad] == [want], f"the refused add gets [{want}], the engine's complaint; got {applied.failed[bad]}"
-    assert bad.request_ids == {}, "a refused request has no engine id"
+    assert bad.request_id is None, f"a refused request has no engine id; it got {bad.request_id}"
 
 
 @pytest.mark.task(2)
@@ -239,8 +277,8 @@ def test_an_abort_frees_the_blocks_before_the_next_step(tiny):
     used = total - engine.allocator.num_free_blocks
     assert used > 0, "the two running requests hold blocks"
     applied = loop_module.apply_commands(engine, owners, [("abort", a, None)])
-    assert applied.aborted == [(a, 0)], f"aborted: {[(h.id, c) for h, c in applied.aborted]}, want [(a, 0)]"
-    rid = a.request_ids[0]
+    assert applied.aborted == [(a, 0)], f"aborted: {show_aborted(applied)}, want [(handle {a.id}, 0)]"
+    rid = a.request_id
     assert rid not in owners and rid not in engine.requests, "the aborted request must leave owners and the engine"
     assert engine.scheduler.running and all(s.request_id != rid for s in engine.scheduler.running)
     still = total - engine.allocator.num_free_blocks
@@ -254,11 +292,16 @@ def test_an_abort_frees_the_blocks_before_the_next_step(tiny):
 def test_a_submit_then_its_abort_in_one_batch_and_aborts_of_finished_requests_are_harmless(tiny):
     loop_module = impl.load("serve.loop")
     engine, owners = engine_for(tiny), {}
-    quick, gone = handle([5, 6], SamplingParams(max_tokens=1)), handle([7, 8, 9])
+    quick, gone = handle([5, 6], SamplingParams(max_tokens=1)), handle([7, 8, 9], n_of(2))
     applied = loop_module.apply_commands(engine, owners, [("add", quick, None), ("add", gone, None),
                                                           ("abort", gone, None)])
-    assert applied.aborted == [(gone, 0)], f"the abort after the add in the same batch: aborted {[(h.id, c) for h, c in applied.aborted]}"
-    assert list(owners.values()) == [(quick, 0)] and len(engine.requests) == 1, f"owners: {show(owners)}"
+    # gone waited, so its completion 1 was never forked: the engine aborted completion 0 alone.
+    assert applied.aborted == [(gone, 0)], (f"the abort after the add in the same batch: aborted "
+                                            f"{show_aborted(applied)}, want [(handle {gone.id}, 0)], the one "
+                                            f"completion the engine had")
+    assert owners == {quick.request_id: quick}, (f"an abort of the whole request (completion None) leaves nothing "
+                                                 f"of it to come, so it leaves owners; owners: {show(owners)}")
+    assert len(engine.requests) == 1, f"the engine still holds {len(engine.requests)} sequences, want 1 (quick)"
     while engine.has_unfinished():
         loop_module.group_step(engine.step(), owners)
     assert owners == {}, "quick finished (max_tokens 1)"
@@ -266,12 +309,13 @@ def test_a_submit_then_its_abort_in_one_batch_and_aborts_of_finished_requests_ar
     applied = loop_module.apply_commands(engine, owners, [("abort", quick, None), ("abort", quick, 0),
                                                           ("abort", gone, None)])
     assert applied.aborted == [] and not applied.failed, f"aborting finished requests did something: {applied}"
-    # An id still in owners that the engine no longer knows (it let go of it): skipped, no KeyError.
+    # A request still in owners that the engine no longer has (it let go of it): no KeyError, nothing
+    # aborted, and it leaves owners.
     late = handle([4, 4])
     loop_module.apply_commands(engine, owners, [("add", late, None)])
-    engine.abort(late.request_ids[0])
+    engine.abort(late.request_id)
     applied = loop_module.apply_commands(engine, owners, [("abort", late, None)])
-    assert applied.aborted == [] and owners == {}, f"aborted {[(h.id, c) for h, c in applied.aborted]}, owners {show(owners)}"
+    assert applied.aborted == [] and owners == {}, f"aborted {show_aborted(applied)}, owners {show(owners)}"
 
 
 @pytest.mark.task(2)
@@ -282,14 +326,26 @@ def test_one_completion_of_n_is_aborted_alone_and_stop_ends_the_batch(tiny):
     loop_module.apply_commands(engine, owners, [("add", h, None)])
     for _ in range(2):
         loop_module.group_step(engine.step(), owners)
-    assert sorted(h.request_ids) == [0, 1, 2], f"the engine should have forked 3 completions: {h.request_ids}"
+    assert live_completions(engine, h) == [0, 1, 2], "the engine should run 3 completions after the prompt's step"
     applied = loop_module.apply_commands(engine, owners, [("abort", h, 1)])
-    assert applied.aborted == [(h, 1)], f"abort of completion 1 alone: aborted {[(h.id, c) for h, c in applied.aborted]}"
-    assert sorted(c for _, c in owners.values()) == [0, 2], f"completions 0 and 2 keep running: owners {show(owners)}"
-    assert set(engine.requests) == {h.request_ids[0], h.request_ids[2]}
+    assert applied.aborted == [(h, 1)], f"abort of completion 1 alone: aborted {show_aborted(applied)}"
+    live = live_completions(engine, h)
+    assert live == [0, 2], f"completions 0 and 2 keep running; the engine has {live}"
+    # A stop string in completion 0 stops completion 0 alone, like any other.
+    applied = loop_module.apply_commands(engine, owners, [("abort", h, 0)])
+    assert applied.aborted == [(h, 0)], f"abort of completion 0 alone: aborted {show_aborted(applied)}"
+    live = live_completions(engine, h)
+    assert live == [2], f"completion 2 keeps running, and it alone; the engine has {live}"
+    assert h.ended == {0, 1}, f"the aborted completions 0 and 1 have ended: handle.ended is {h.ended}"
+    assert owners == {h.request_id: h}, f"completion 2 still runs, so the request stays in owners: {show(owners)}"
+    got = loop_module.group_step(engine.step(), owners)
+    assert [(type(e), e.completion) for e in got.get(h, [])] == [(Token, 2)], (
+        f"after the aborts, a step gives the handle completion 2's token alone: {show(got)}")
     later = handle([1, 2])
-    applied = loop_module.apply_commands(engine, owners, [("abort", h, None), ("stop", None, None),
+    applied = loop_module.apply_commands(engine, owners, [("abort", h, 2), ("stop", None, None),
                                                           ("add", later, None)])
     assert applied.stop, "a stop command must set applied.stop"
-    assert sorted(c for _, c in applied.aborted) == [0, 2], f"the abort before the stop: aborted {[(h.id, c) for h, c in applied.aborted]}"
-    assert later.request_ids == {} and not engine.has_unfinished(), "nothing after a stop is applied"
+    assert applied.aborted == [(h, 2)], f"the abort before the stop: aborted {show_aborted(applied)}"
+    assert owners == {}, (f"all 3 completions have ended (each aborted on its own), so the request leaves owners: "
+                          f"{show(owners)}")
+    assert later.request_id is None and not engine.has_unfinished(), "nothing after a stop is applied"

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from minicb.sampling import SamplingParams
-from minicb.serve.loop import EngineLoop, Token
+from minicb.serve.loop import EngineLoop, Finished, Token
 from serve_support import TINY, ByteTokenizer, metric, sse_events, tiny_llm, tiny_server
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -127,6 +127,26 @@ def test_stop_strings_cut_the_text_and_end_the_request():
         wait_for(lambda: engine.allocator.num_free_blocks == engine.allocator.num_blocks, 5, "blocks to be freed")
 
 
+def test_a_stop_string_in_completion_0_ends_it_alone():
+    # n = 2 seeded: completion 0 is cut by a stop string that completion 1's text never holds, and
+    # completion 1 runs on to max_tokens. The abort of completion 0 must not stop its sibling.
+    prompt, params = [40, 41, 42], SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=5, n=2)
+    first, second = offline([prompt], params)[0].outputs
+    start = next(i for i in range(4, len(first.text) - 2) if "\ufffd" not in first.text[i:i + 2]
+                 and first.text[i:i + 2] not in second.text)
+    stop = first.text[start:start + 2]
+    with tiny_server() as (url, app), httpx.Client(base_url=url, timeout=30) as client:
+        body = {"prompt": prompt, "max_tokens": 40, "ignore_eos": True, "temperature": 1.0, "seed": 5, "n": 2,
+                "stop": [stop], "return_token_ids": True}
+        choices = client.post("/v1/completions", json=body).json()["choices"]
+        got = [(c["text"], c["finish_reason"]) for c in choices]
+        want = [(first.text[:first.text.find(stop)], "stop"), (second.text, "length")]
+        assert got == want, f"completions (text, finish_reason): {got}, want {want}"
+        assert choices[1]["token_ids"] == second.token_ids, "completion 1 runs on after completion 0's stop"
+        engine = app.state.loop.engine
+        wait_for(lambda: engine.allocator.num_free_blocks == engine.allocator.num_blocks, 5, "blocks to be freed")
+
+
 # ---- many clients at once ------------------------------------------------------------------------
 
 
@@ -183,7 +203,7 @@ def test_engine_loop_abort_takes_effect_before_the_next_step():
             for _ in range(3):
                 events = await asyncio.wait_for(handle.events.get(), 10)
                 assert all(isinstance(e, Token) for e in events)
-            rid = handle.request_ids[0]
+            rid = handle.request_id
             in_progress = engine.num_steps  # the step running now (if any) has this number
             loop.abort(handle)
             await asyncio.sleep(0.5)  # with its only request gone, the engine goes idle
@@ -347,6 +367,38 @@ def test_shutdown_lets_short_requests_finish_and_aborts_the_rest():
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks and not engine.has_unfinished()
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_engine_loop_close_ends_every_completion_even_those_not_forked_yet():
+    """stop() aborts what is left: each completion of each request gets Finished(..., "abort"), including
+    those of a waiting n = 2 request, which the engine has not forked, so its streams end too."""
+    llm = tiny_llm(keep_traces=1, max_num_seqs=2)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=1.0, seed=3, n=2)
+
+    async def ended(handle) -> dict[int, str]:
+        reasons = {}
+        while len(reasons) < handle.params.n:
+            for event in await asyncio.wait_for(handle.events.get(), 10):
+                if isinstance(event, Finished):
+                    assert event.completion not in reasons, f"completion {event.completion} ended twice"
+                    reasons[event.completion] = event.reason
+        return reasons
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start(asyncio.get_running_loop())
+        running = loop.submit([5, 6, 7], params)
+        first = await asyncio.wait_for(running.events.get(), 10)
+        assert {e.completion for e in first} == {0, 1}, f"both completions start in the prompt's step: {first}"
+        waiting = loop.submit([8, 9], params)  # both slots are taken: it waits, unforked
+        await asyncio.sleep(0.05)
+        loop.stop()
+        got = await ended(running), await ended(waiting)
+        assert got == ({0: "abort", 1: "abort"},) * 2, f"Finished reasons (running, waiting): {got}"
+        assert engine.allocator.num_free_blocks == engine.allocator.num_blocks and not engine.has_unfinished()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 # ---- observability ------------------------------------------------------------------------------------------

@@ -7,9 +7,9 @@ the tests are tests/test_ch09_*.py. Run them against this file with
     MINICB_IMPL=student MINICB_IMPL_ONLY=serve.loop python -m minicb serve     # the real server, on your code
 
 Given (minicb/serve/events.py documents each): the events a handle receives
-(Token, Finished, Failed), RequestHandle, Owners, and Applied (what
-apply_commands reports); and EngineLoop (minicb/serve/loop.py), which runs the
-engine thread. Every step, EngineLoop looks up
+(Token, Finished, Failed), RequestHandle (your functions set its request_id and
+fill its `ended` set), Owners, and Applied (what apply_commands reports); and
+EngineLoop, which runs the engine thread. Every step, EngineLoop looks up
 these three functions with `impl.load("serve.loop")` and calls them in this order:
 
     commands = take_commands(inbox, wait=not engine.has_unfinished())
@@ -17,7 +17,9 @@ these three functions with `impl.load("serve.loop")` and calls them in this orde
     out = engine.step()                                    # if anything is unfinished
     batches = group_step(out, owners)                      # one hand-off to the event loop
 
-`owners` is the engine thread's map: engine request id -> (handle, completion).
+`owners` is the engine thread's map: engine request id (what engine.add_request returned) -> handle.
+A request with n > 1 completions is one handle and one engine request id; the engine names every
+new token and every finished sequence by that id and the completion's index (0 .. n - 1).
 """
 from __future__ import annotations
 
@@ -40,14 +42,16 @@ def apply_commands(engine: Engine, owners: Owners, commands: list[tuple]) -> App
     """Task 2: carry out the commands in order; return an Applied.
 
     ("add", handle, None): rid = engine.add_request(handle.prompt_token_ids, handle.params,
-        arrival_time=handle.arrival); handle.request_ids[0] = rid; owners[rid] = (handle, 0).
+        arrival_time=handle.arrival); handle.request_id = rid; owners[rid] = handle.
         If add_request raises, applied.failed[handle] = [Failed(f"{type(e).__name__}: {e}")]
         and the next commands still run.
-    ("abort", handle, completion): for that completion of the handle (all of them when completion
-        is None) whose engine id is still in `owners`: del owners[rid], then engine.abort(rid)
-        (it frees the blocks now); append (handle, completion) to applied.aborted. A KeyError from
-        engine.abort (the engine no longer knows the id) is not an error: skip it. An id not in
-        `owners` (the completion already finished) is skipped too.
+    ("abort", handle, completion): skip it if handle.request_id is not in `owners` (the request
+        ended already). Otherwise engine.abort(handle.request_id, completion) stops that one
+        completion, or every live one when completion is None, frees their blocks now, and returns
+        the aborted Sequences; a KeyError from it (nothing of the request is live) is not an error:
+        nothing was aborted. For each returned seq: add seq.completion to handle.ended and append
+        (handle, seq.completion) to applied.aborted. Then the request leaves `owners` if completion
+        is None, or if all handle.params.n completions have ended.
     ("stop", None, None): set applied.stop and return at once, applying nothing after it.
     """
     raise NotImplementedError("Chapter 9, task 2: apply_commands() — see chapters/09-serving/README.md#task-2")
@@ -56,10 +60,11 @@ def apply_commands(engine: Engine, owners: Owners, commands: list[tuple]) -> App
 def group_step(out: StepOutput, owners: Owners) -> dict[RequestHandle, list[Token | Finished]]:
     """Task 1: one engine step as each handle's list of events, in the step's order.
 
-    1. out.forked, (parent_id, child_id) pairs (n > 1): a parent's children, in the order listed,
-       are completions 1, 2, ... of the parent's handle: set handle.request_ids[k] and owners[child].
-    2. out.new_tokens, (rid, token) pairs: Token(completion, token) for the rid's handle.
-    3. out.finished, Sequences: Finished(completion, seq.finish_reason); seq.request_id leaves owners.
-    Ids not in `owners` are skipped; handles with no events are left out of the result.
+    1. out.new_tokens, NewTokens t (t.request_id, t.completion, t.token):
+       Token(t.completion, t.token) for the handle owners[t.request_id].
+    2. out.finished, Sequences: Finished(seq.completion, seq.finish_reason) for owners[seq.owner_id];
+       add seq.completion to handle.ended, and once all handle.params.n completions have ended,
+       the request leaves `owners`.
+    Requests not in `owners` are skipped; handles with no events are left out of the result.
     """
     raise NotImplementedError("Chapter 9, task 1: group_step() — see chapters/09-serving/README.md#task-1")

@@ -10,8 +10,9 @@ handlers and the engine thread share nothing but these objects:
   ("stop", None, None);
 - the engine thread answers with lists of events, one list per step that touched
   the request: Token, Finished, or Failed when the engine itself broke;
-- `Owners` is the engine thread's own map from engine request ids back to
-  (handle, completion), and `Applied` reports what a batch of commands did.
+- `Owners` is the engine thread's own map from engine request ids (what
+  `Engine.add_request` returned) back to handles, and `Applied` reports what a
+  batch of commands did.
 
 They live in a file of their own so that every copy of the engine thread's
 functions (yours under `python -m minicb check 9`, the reference's) speaks the
@@ -53,7 +54,10 @@ class RequestHandle:
 
     `events` gets one list of Token / Finished / Failed per engine step that
     touched the request, in order. Fields after `events` belong to the engine
-    thread (request_ids) or to the event loop (queued).
+    thread (request_id, ended) or to the event loop (queued).
+
+    A request with n > 1 completions is one handle and one engine request id:
+    the engine names every token by that id and the completion's index.
     """
 
     prompt_token_ids: list[int]
@@ -61,12 +65,16 @@ class RequestHandle:
     events: asyncio.Queue
     id: int
     arrival: float = field(default_factory=time.perf_counter)
-    request_ids: dict[int, int] = field(default_factory=dict)  # completion -> engine request id
+    request_id: int | None = None  # what engine.add_request returned (None until added, or if refused)
+    # Completions that will produce nothing more: finished in the engine, or aborted. When all
+    # params.n have ended, the request leaves `owners`.
+    ended: set[int] = field(default_factory=set)
     queued: bool = True  # counted against max_waiting until its first token (event-loop side)
 
 
-# engine request id -> (the handle it belongs to, which of the handle's completions it is)
-Owners = dict[int, tuple[RequestHandle, int]]
+# engine request id (what add_request returned) -> its handle, while any of its completions may still
+# produce a token
+Owners = dict[int, RequestHandle]
 
 
 @dataclass
@@ -74,5 +82,6 @@ class Applied:
     """What apply_commands did, for the loop to report."""
 
     stop: bool = False  # a "stop" command came; the commands after it were not applied
-    aborted: list[tuple[RequestHandle, int]] = field(default_factory=list)  # (handle, completion) the engine dropped
+    # (handle, completion) for each completion the engine aborted (engine.abort's returned sequences)
+    aborted: list[tuple[RequestHandle, int]] = field(default_factory=list)
     failed: dict[RequestHandle, list[Failed]] = field(default_factory=dict)  # adds the engine refused

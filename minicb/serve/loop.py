@@ -26,11 +26,11 @@ Three rules keep it correct:
 3. **The engine thread never waits for a client.** Asyncio queues are unbounded,
    and a slow reader only delays itself.
 
-A request with n > 1 completions (parallel sampling) is one handle: the engine
-forks its completions in the step that computes its prompt (StepOutput.forked,
-each child with its first token in the same step's new_tokens) and the
-loop maps each child id back to the handle and the completion's index, as
-`LLM.stream` does.
+A request with n > 1 completions (parallel sampling) is one handle and one
+engine request id: the engine names each new token and each finished sequence
+by the id add_request returned and the completion's index, so the loop needs
+nothing but a map from that id to the handle. The request stays in the map
+until all n of its completions have ended (finished, or aborted).
 
 Admission control: at most `max_waiting` requests may wait for their first
 token; beyond that `submit` raises QueueFull and the server answers 503 with
@@ -95,14 +95,18 @@ def apply_commands(engine: Engine, owners: Owners, commands: list[tuple]) -> App
     """Carry out the handlers' commands, in order, on the engine (engine thread only).
 
     ("add", handle, None): engine.add_request(handle.prompt_token_ids, handle.params,
-    arrival_time=handle.arrival); its id becomes completion 0 (handle.request_ids[0], owners).
+    arrival_time=handle.arrival); its id becomes handle.request_id, and owners[id] = handle.
     If the engine raises, the handle gets [Failed("TypeName: message")] in `failed`
     and the other commands still run.
-    ("abort", handle, completion): abort that completion, or all of the handle's
-    (completion None), among those still in `owners`: drop each from `owners`, then
-    engine.abort(rid), which frees its blocks now. A request that already finished is
-    not in `owners` and is skipped; an engine that no longer knows the id (KeyError)
-    is not an error either. Each request the engine did abort goes into `aborted`.
+    ("abort", handle, completion): if the handle's request is in `owners`,
+    engine.abort(request_id, completion) stops that completion, or every live one
+    (completion None), and frees their blocks now. Each sequence it returns is a
+    completion that has ended: it goes into handle.ended and, as (handle, its
+    completion), into `aborted`. A KeyError (nothing of it was live any more) is
+    not an error. The request leaves `owners` when the abort was of all of it
+    (nothing of it can come any more, not even completions it has not forked yet)
+    or when all n of its completions have now ended. A request not in `owners`
+    (it ended already, or was refused) is skipped.
     ("stop", None, None): stop here; set `stop`, and apply nothing after it.
     """
     applied = Applied()
@@ -116,48 +120,47 @@ def apply_commands(engine: Engine, owners: Owners, commands: list[tuple]) -> App
             except Exception as e:  # checked before submit, so this is a bug; fail this request only
                 applied.failed[handle] = [Failed(f"{type(e).__name__}: {e}")]
                 continue
-            handle.request_ids[0] = rid
-            owners[rid] = (handle, 0)
+            handle.request_id = rid
+            owners[rid] = handle
         elif kind == "abort":
-            for index, rid in list(handle.request_ids.items()):
-                if (completion is None or index == completion) and rid in owners:
-                    del owners[rid]
-                    try:
-                        engine.abort(rid)
-                    except KeyError:
-                        continue  # the engine has already let go of it
-                    applied.aborted.append((handle, index))
+            rid = handle.request_id
+            if rid not in owners:
+                continue  # it has ended already (a client hanging up after the answer, or twice), or was refused
+            try:
+                aborted = engine.abort(rid, completion)
+            except KeyError:
+                aborted = []  # nothing of it (or of that completion) is live: it has finished already
+            for seq in aborted:
+                handle.ended.add(seq.completion)
+                applied.aborted.append((handle, seq.completion))
+            if completion is None or len(handle.ended) == handle.params.n:
+                del owners[rid]
     return applied
 
 
 def group_step(out: StepOutput, owners: Owners) -> dict[RequestHandle, list[Token | Finished]]:
     """One step's output as each handle's list of events, in the step's order.
 
-    First the forks (n > 1): out.forked lists (parent, child) pairs; a parent's
-    children, in the order listed, are its completions 1, 2, ...: record each in
-    handle.request_ids and `owners`. Then a Token(completion, token) for every
-    (rid, token) in out.new_tokens, then a Finished(completion, seq.finish_reason)
-    for every seq in out.finished, whose id leaves `owners`. Ids not in `owners`
-    (aborted a moment ago, or not the server's) are skipped. A handle the step did
-    not touch is not in the result.
+    A Token(t.completion, t.token) for every t in out.new_tokens, then a
+    Finished(seq.completion, seq.finish_reason) for every seq in out.finished;
+    t.request_id and seq.owner_id name the request, the key of `owners`. A
+    finished completion goes into handle.ended; once all handle.params.n have
+    ended (apply_commands adds the aborted ones), the request leaves `owners`.
+    Requests not in `owners` (not the server's) are skipped. A handle the step
+    did not touch is not in the result.
     """
     batches: dict[RequestHandle, list] = {}
-    for parent, child in out.forked:  # born in their prompt's step, with a first token in it
-        if parent not in owners:
-            continue
-        handle, _ = owners[parent]
-        siblings = [c for p, c in out.forked if p == parent]
-        completion = 1 + siblings.index(child)
-        handle.request_ids[completion] = child
-        owners[child] = (handle, completion)
-    for rid, token in out.new_tokens:
-        if rid in owners:
-            handle, completion = owners[rid]
-            batches.setdefault(handle, []).append(Token(completion, token))
+    for t in out.new_tokens:
+        if t.request_id in owners:
+            batches.setdefault(owners[t.request_id], []).append(Token(t.completion, t.token))
     for seq in out.finished:
-        if seq.request_id in owners:
-            handle, completion = owners.pop(seq.request_id)
-            batches.setdefault(handle, []).append(Finished(completion, seq.finish_reason))
+        handle = owners.get(seq.owner_id)
+        if handle is None:
+            continue
+        batches.setdefault(handle, []).append(Finished(seq.completion, seq.finish_reason))
+        handle.ended.add(seq.completion)
+        if len(handle.ended) == handle.params.n:  # not before: its other completions still make tokens
+            del owners[seq.owner_id]
     return batches
 
 
@@ -210,7 +213,7 @@ class EngineLoop:
         self._stopping = False
         self._handles: weakref.WeakSet[RequestHandle] = weakref.WeakSet()  # submitted ones (event-loop side)
         # Engine-thread state.
-        self._owners: Owners = {}  # engine request id -> (handle, completion)
+        self._owners: Owners = {}  # engine request id -> handle, until all its completions have ended
         # (handle, completion) -> when its previous token came out
         self._last_token: dict[tuple[RequestHandle, int], float] = {}
         self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
@@ -259,7 +262,14 @@ class EngineLoop:
         return handle
 
     def abort(self, handle: RequestHandle, completion: int | None = None) -> None:
-        """Stop one completion of a request, or all of it (None). Its blocks are free before the next step."""
+        """Stop one completion of a request, or all of it (None). Its blocks are free before the next step.
+
+        One completion is stopped once it has produced a token (a stop string in its
+        text): by then the engine has forked the request's completions. Completion 0
+        of an n > 1 request aborted alone before that would take its unforked
+        siblings with it, and no Finished would ever come for them: stop such a
+        request whole (None).
+        """
         if completion is None:
             self._leave_queue(handle)
         self.inbox.put(("abort", handle, completion))
@@ -356,15 +366,17 @@ class EngineLoop:
                     pass  # the event loop closed meanwhile
             return
         # Stopping: whatever is still waiting or running ends now, as an abort.
-        batches: dict[RequestHandle, list] = collections.defaultdict(list)
-        for rid, (handle, completion) in list(self._owners.items()):
+        batches: dict[RequestHandle, list] = {}
+        for rid, handle in list(self._owners.items()):
             del self._owners[rid]
             try:
-                self.engine.abort(rid)
-                self._report(Applied(aborted=[(handle, completion)]))
+                aborted = self.engine.abort(rid)
             except KeyError:
-                pass  # the engine has already let go of it
-            batches[handle].append(Finished(completion, "abort"))
+                aborted = []  # the engine has already let go of it
+            self._report(Applied(aborted=[(handle, seq.completion) for seq in aborted]))
+            # Every completion not ended yet, including those a waiting request has not forked:
+            # each stream must see its completion end.
+            batches[handle] = [Finished(c, "abort") for c in range(handle.params.n) if c not in handle.ended]
         self._send(batches, None)
 
     def _report(self, applied: Applied) -> None:
