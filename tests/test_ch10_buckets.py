@@ -79,7 +79,7 @@ def test_smallest_bucket_rejects_an_empty_step(bad):
 def test_the_engines_runner_captures_your_buckets_and_picks_with_them():
     # EngineConfig(cuda_graphs=True) on a CPU: the runner, without graphs, built from impl.load("cuda_graphs").
     engine = Engine(random_model(seed=0), EngineConfig(max_num_seqs=20, cuda_graphs=True, num_blocks=16))
-    runner = engine.graphs
+    runner = engine.runner
     assert runner.buckets == [1, 2, 4, 8, 16, 20], f"the runner's buckets for max_num_seqs=20: {runner.buckets}"
     picks = {n: runner.bucket_for(n) for n in (1, 3, 7, 9, 17, 20, 21)}
     assert picks == {1: 1, 3: 4, 7: 8, 9: 16, 17: 20, 20: 20, 21: None}, f"the runner picked {picks}"

@@ -27,15 +27,16 @@ def test_your_runner_serves_like_chapter01(tiny, engine_matches_chapter01, rando
     runner_class = impl.load("cuda_graphs").DecodeGraphs
     steps = Counter()  # batch size of each step the runner took -> how many
     decode = runner_class.decode
-    monkeypatch.setattr(runner_class, "decode", lambda self, seqs, allocator: steps.update([len(seqs)]) or
-                        decode(self, seqs, allocator))
+    monkeypatch.setattr(runner_class, "decode", lambda self, batch: steps.update([batch.num_seqs]) or
+                        decode(self, batch))
     requests = random_requests(tiny.config.vocab_size, 24, seed=10)
     preemptions = engine_matches_chapter01(tiny, requests, block_size=4, num_blocks=12, max_num_seqs=12,
                                            cuda_graphs=True)
     engine = engine_matches_chapter01.engine
-    assert isinstance(engine.graphs, runner_class), "the engine should build the runner of impl.load('cuda_graphs')"
-    assert engine.graphs.buckets == [1, 2, 4, 8, 12], f"buckets for max_num_seqs=12: {engine.graphs.buckets}"
-    padded = {n for n in steps if n not in engine.graphs.buckets}
+    assert isinstance(engine.runner, runner_class), (f"the engine built a {type(engine.runner).__name__}; it "
+                                                     f"should build the runner of impl.load('cuda_graphs')")
+    assert engine.runner.buckets == [1, 2, 4, 8, 12], f"buckets for max_num_seqs=12: {engine.runner.buckets}"
+    padded = {n for n in steps if n not in engine.runner.buckets}
     assert sum(steps.values()) >= 20 and padded, (f"the runner took decode steps of sizes {dict(steps)}; the "
                                                   f"run should give it many, some padded")
     assert preemptions >= 1, f"the pool was sized to force preemptions, but only {preemptions} happened"

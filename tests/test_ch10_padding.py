@@ -5,7 +5,7 @@ rows as given, padding rows pointing at the scratch block), with and without
 padding rows, and for its errors. Then inside the engine's runner (on a CPU it
 runs eagerly, through the same static buffers): after a padded step only the
 real tokens' slots and the scratch slot changed in the pool, and the real rows'
-logits are those of the engine's eager step, with 0, 1 or 5 padding rows.
+logits are those of the eager runner's step, with 0, 1 or 5 padding rows.
 
 Run against your own code with `python -m minicb check 10`.
 """
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from minicb import impl
+from minicb.model_runner import prepare
 from test_cuda_graphs import changed_slots, decoding_engine, eager_logits
 
 GRADED_MODULE = "cuda_graphs"  # the one_task fixture (conftest.py) grades one task at a time
@@ -80,12 +81,12 @@ def test_padding_rows_write_only_the_scratch_block(backend, device):
     if backend == "torch" and device.startswith("cuda"):
         pytest.skip("on CUDA the runner captures graphs, which need the Triton decode (see runner_mode)")
     engine = decoding_engine(backend, device)
-    runner, seqs = engine.graphs, list(engine.scheduler.running)
+    runner, seqs = engine.runner, list(engine.scheduler.running)
     assert runner.bucket_for(len(seqs)) == 4  # 3 sequences: one padding row
     before = [c.clone() for c in engine.pool.k_caches + engine.pool.v_caches]
     calls = []
     decode = runner.decode
-    runner.decode = lambda *args: calls.append(len(args[0])) or decode(*args)
+    runner.decode = lambda batch: calls.append(batch.num_seqs) or decode(batch)
     engine.step()
     assert calls == [3], "the decode-only step should have gone through the runner"
     # Each sequence's token of this step is now its last computed one.
@@ -104,13 +105,14 @@ def test_padding_never_changes_a_real_rows_logits(backend, device):
     if backend == "torch" and device.startswith("cuda"):
         pytest.skip("on CUDA the runner captures graphs, which need the Triton decode (see runner_mode)")
     engine = decoding_engine(backend, device)
-    runner, out = engine.graphs, engine.scheduler.schedule()  # a decode-only step: its slots are allocated
-    assert runner.takes(out) and len(out.decodes) == 3
-    want = eager_logits(engine, out.decodes)  # no padding at all: the engine without the runner
+    runner, out = engine.runner, engine.scheduler.schedule()  # a decode-only step: its slots are allocated
+    batch = prepare(out, engine.allocator)
+    assert runner.takes(batch) and batch.num_seqs == 3
+    want = eager_logits(engine, batch)  # [3, V], no padding at all: the eager runner
     got = {}
     for buckets in ([4], [8], [3]):  # 1 padding row, 5, none (on CUDA: replays of the 4 and 8 graphs, 3 eager)
         runner.buckets = buckets
-        got[buckets[0]] = runner.decode(out.decodes, engine.allocator).clone()  # the same K/V written again
+        got[buckets[0]] = runner.decode(batch).clone()  # [3, V]; the same K/V written again
     for bucket, logits in got.items():
         assert logits.shape == want.shape, f"bucket {bucket}: logits {tuple(logits.shape)}, want {tuple(want.shape)}"
         torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"bucket {bucket}: {m}")

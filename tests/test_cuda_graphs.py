@@ -13,16 +13,18 @@ tests/test_ch10_buckets.py and tests/test_ch10_padding.py (which import the
 helpers below), graded by `python -m minicb check 10`.
 """
 import random
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
 
 from minicb import paged_attention, triton_attention
-from minicb.cuda_graphs import operator_calls, runner_mode
+from minicb.cuda_graphs import DecodeGraphs, operator_calls, runner_mode
 from minicb.engine import Engine, EngineConfig
 from minicb.model import random_model
-from minicb.paged_model import PagedAttention
+from minicb.model_runner import ModelRunner, StepBatch, prepare
 from minicb.sampling import SamplingParams
 from minicb.scheduler import SchedulerOutput
 
@@ -54,14 +56,24 @@ def test_when_the_engine_has_a_runner():
 
 def test_the_default_engine_on_a_cpu_is_unchanged():
     engine = Engine(random_model(seed=0), EngineConfig(num_blocks=16))
-    assert engine.graphs is None
+    assert type(engine.runner) is ModelRunner, f"the default runner on a CPU is a {type(engine.runner).__name__}"
     assert engine.pool.num_blocks == engine.allocator.num_blocks == 16  # no scratch block
 
 
 def test_the_runner_adds_a_scratch_block_no_sequence_owns():
     engine = Engine(random_model(seed=0), EngineConfig(num_blocks=16, cuda_graphs=True))  # on the CPU
+    assert isinstance(engine.runner, DecodeGraphs), f"cuda_graphs=True built a {type(engine.runner).__name__}"
     assert engine.pool.num_blocks == 17 and engine.allocator.num_blocks == 16
-    assert engine.graphs.scratch_block == 16 and engine.graphs.graphs == {}  # no graphs on a CPU
+    assert engine.runner.scratch_block == 16 and engine.runner.graphs == {}  # no graphs on a CPU
+
+
+def test_the_runner_does_not_import_the_engine():
+    # The engine builds the runner; a runner that imported the engine back would tie
+    # chapter 10's module to chapter 06's, and make every change to one a change to both.
+    code = "import sys, minicb.cuda_graphs; print(sorted(m for m in sys.modules if m.startswith('minicb.')))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "'minicb.engine'" not in run.stdout, f"importing minicb.cuda_graphs imported: {run.stdout.strip()}"
 
 
 def test_operator_calls_counts_the_outermost_calls_only():
@@ -84,11 +96,16 @@ def decoding_engine(attention: str, device="cpu", prompt_lens=(3, 9, 14), max_nu
     return engine
 
 
-def eager_logits(engine, seqs) -> torch.Tensor:
-    """The engine's own eager path (prepare, PagedAttention, model) for a decode-only step of seqs -> [1, S, V]."""
-    input_ids, positions, meta = engine.prepare(SchedulerOutput(decodes=list(seqs)))
-    attention = PagedAttention(engine.pool.k_caches, engine.pool.v_caches, meta, engine.kernels)
-    return engine.model(input_ids, positions, attention, logits_at=meta.last_token_index())
+def decode_batch(engine, seqs) -> StepBatch:
+    """The StepBatch of a decode-only step of seqs (each computes its newest token), built by hand.
+    Their newest tokens' slots must be allocated: seqs come from a schedule() that has not been run yet."""
+    out = SchedulerOutput(decodes=list(seqs), num_scheduled={seq.request_id: 1 for seq in seqs})
+    return prepare(out, engine.allocator)
+
+
+def eager_logits(engine, batch: StepBatch) -> torch.Tensor:
+    """The oracle: the eager runner's forward over the engine's pool (no buffers, no padding) -> [S, V]."""
+    return ModelRunner(engine.model, engine.pool, engine.kernels).forward(batch)
 
 
 def changed_slots(before, after) -> set[tuple[int, int]]:
@@ -102,13 +119,34 @@ def changed_slots(before, after) -> set[tuple[int, int]]:
 
 def test_steps_with_prompts_run_eagerly_and_decode_only_steps_use_the_runner():
     engine = decoding_engine("torch", prompt_lens=(3, 9))
-    runner = engine.graphs
-    decodes = [SchedulerOutput(decodes=list(engine.scheduler.running))]
-    assert runner.takes(decodes[0])
-    mixed = SchedulerOutput(decodes=list(engine.scheduler.running)[:1], prefills=list(engine.scheduler.running)[1:])
-    assert not runner.takes(mixed) and not runner.takes(SchedulerOutput())
-    too_many = SchedulerOutput(decodes=list(engine.scheduler.running) * 5)  # 10 > the largest bucket, 8
-    assert not runner.takes(too_many)
+    runner, running = engine.runner, engine.scheduler.schedule().decodes  # a decode-only step: slots allocated
+    decodes = decode_batch(engine, running)
+    assert runner.takes(decodes)
+    mixed = decode_batch(engine, running)
+    mixed.num_decodes = 1  # the second row a 1-token chunk of a prompt: the batch is not decode-only
+    empty = prepare(SchedulerOutput(), engine.allocator)
+    too_many = decode_batch(engine, running * 5)  # 10 rows > the largest bucket, 8
+    wrong = [name for name, batch in (("mixed", mixed), ("empty", empty), ("10 rows", too_many))
+             if runner.takes(batch)]
+    assert not wrong, f"the runner takes batches it must leave to the eager forward: {wrong}"
+    # forward() sends each batch its way: the decode-only one through decode(), the others eagerly.
+    calls = []
+    decode = runner.decode
+    runner.decode = lambda batch: calls.append(batch.num_seqs) or decode(batch)
+    for batch in (decodes, mixed, too_many):
+        logits = runner.forward(batch)
+        assert logits.shape == (batch.num_seqs, engine.model.config.vocab_size), tuple(logits.shape)
+    assert calls == [2], f"decode() ran for batches of {calls} rows; want only the decode-only batch of 2"
+
+
+def test_decode_refuses_a_batch_it_cannot_take():
+    engine = decoding_engine("torch", prompt_lens=(3, 9))
+    batch = decode_batch(engine, engine.scheduler.schedule().decodes * 5)
+    with pytest.raises(ValueError, match="a batch of 10 sequences, 10 of them decodes"):
+        engine.runner.decode(batch)
+    batch.num_decodes = 9
+    with pytest.raises(ValueError, match="9 of them decodes"):
+        engine.runner.decode(batch)
 
 
 # ---- whole runs: the same tokens with the runner on and off ----------------------------------
@@ -131,17 +169,18 @@ def serve(engine, requests) -> dict[int, tuple[list[int], str]]:
 def check_decodes_against_eager(engine, same_tokens: bool = True) -> list[float]:
     """Make every runner step also compute the eager logits; returns the max abs difference of each step.
     same_tokens: also assert that each row's greedy token is the same."""
-    diffs, decode = [], engine.graphs.decode
+    diffs, decode = [], engine.runner.decode
 
-    def checked(seqs, allocator):
-        logits = decode(seqs, allocator).clone()
-        want = eager_logits(engine, seqs)  # writes the very same K/V again
+    def checked(batch):
+        logits = decode(batch).clone()  # [S, V]
+        want = eager_logits(engine, batch)  # writes the very same K/V again
+        assert logits.shape == want.shape, f"logits {tuple(logits.shape)}, want {tuple(want.shape)}"
         if same_tokens:
             assert torch.equal(logits.argmax(-1), want.argmax(-1)), "greedy tokens differ from the eager step"
         diffs.append((logits.float() - want.float()).abs().max().item())
         return logits
 
-    engine.graphs.decode = checked
+    engine.runner.decode = checked  # forward() finds it on the instance
     return diffs
 
 
@@ -189,11 +228,12 @@ def test_the_forward_a_graph_captures_reads_nothing_on_the_host():
     from test_host_syncs import count_host_reads
 
     engine = decoding_engine("triton")
-    runner, seqs = engine.graphs, engine.scheduler.schedule().decodes
-    runner.decode(seqs, engine.allocator)  # fill the buffers as a real step does
+    runner, out = engine.runner, engine.scheduler.schedule()
+    seqs = out.decodes
+    runner.decode(prepare(out, engine.allocator))  # fill the buffers as a real step does
     meta = runner.metadata(4, [engine.allocator.block_table(s.request_id) for s in seqs] + [[runner.scratch_block]],
                            [s.num_computed_tokens + 1 for s in seqs] + [1], runner.scratch_slot)
-    reads = count_host_reads(lambda: runner.forward(4, meta))
+    reads = count_host_reads(lambda: runner.run_bucket(4, meta))
     assert reads == [], f"{len(reads)} host reads in the runner's forward:\n" + "\n".join(reads)
 
 
@@ -215,8 +255,9 @@ def test_capture_and_replay_on_cuda(dtype):
         engine = Engine(model, EngineConfig(max_num_seqs=12, attention="triton", block_size=4, num_blocks=200,
                                             cuda_graphs=graphs))
         if graphs is None:
-            runner = engine.graphs
-            assert runner is not None and sorted(runner.graphs) == runner.buckets == [1, 2, 4, 8, 12]
+            runner = engine.runner
+            assert isinstance(runner, DecodeGraphs), f"the default runner on CUDA is a {type(runner).__name__}"
+            assert sorted(runner.graphs) == runner.buckets == [1, 2, 4, 8, 12], sorted(runner.graphs)
             diffs = check_decodes_against_eager(engine, same_tokens=dtype == torch.float32)
         runs[graphs] = serve(engine, requests)
     assert diffs, "no decode step replayed a graph"

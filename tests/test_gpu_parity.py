@@ -21,6 +21,7 @@ import torch
 
 from minicb import paged_attention, triton_attention
 from minicb.block_allocator import BlockAllocator
+from minicb.cuda_graphs import DecodeGraphs
 from minicb.engine import Engine, EngineConfig
 from minicb.model import ModelConfig, random_model, tiny_config
 from minicb.paged_attention import KVPool
@@ -57,9 +58,11 @@ def test_engine_equals_chapter01(attention, device, engine_matches_chapter01):
     requests = requests_for(device, model.config.vocab_size)
     engine_matches_chapter01(model, requests, attention=attention, max_num_seqs=8,
                              num_blocks=pool_blocks(requests, 8, 16))
-    graphs = engine_matches_chapter01.engine.graphs
+    runner = engine_matches_chapter01.engine.runner
     if on_cuda(device) and attention == "triton":
-        assert graphs is not None and graphs.graphs, "on CUDA with Triton the engine should replay CUDA graphs"
+        assert isinstance(runner, DecodeGraphs) and runner.graphs, (
+            f"on CUDA with Triton the engine should replay CUDA graphs; its runner is a {type(runner).__name__}"
+            f"{' with no graph captured' if isinstance(runner, DecodeGraphs) else ''}")
 
 
 def test_graphs_equal_eager(device):

@@ -100,7 +100,7 @@ STEPS = {
 
 
 def forward_reads(step: str, attention: str) -> list[str]:
-    """Host reads during one model forward, with the inputs built the way Engine.prepare builds them."""
+    """Host reads during one model forward, with the inputs built the way prepare() builds them (model_runner.py)."""
     model = random_model(seed=0)
     cfg, device = model.config, model.device
     kernels = {"torch": paged_attention, "triton": triton_attention}[attention]

@@ -27,7 +27,7 @@
 # without stopping the others; the script exits non-zero if any part failed.
 #
 # GPU_CHECK_DRY=1 takes every step on a CPU instead, with the Triton interpreter and tiny
-# shapes (a minute or two): tests/test_gpu_check_dry.py runs it inside `make test`, so this
+# shapes (a minute or two): tests/test_gpu_check.py runs it inside `make test`, so this
 # script cannot rot unseen. Its figures are not GPU figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -26,7 +26,7 @@ import torch
 from torch.profiler import profile
 
 from minicb.engine import Engine, EngineConfig
-from minicb.paged_model import PagedAttention
+from minicb.model_runner import prepare
 from minicb.sampling import SamplingParams, finish_reason, make_generator, sample
 from minicb.static_batching import PaddedKVCache, left_pad
 from minicb.weights import load_model
@@ -110,14 +110,14 @@ def main() -> None:
     continuous, static = median_seconds_in_turns([engine.step, static_step], args.steps)
     continuous_ops, static_ops = top_ops(engine.step, 5, args.rows), top_ops(static_step, 5, args.rows)
 
-    # The paged forward alone: the next step's metadata, run again and again. It
-    # rewrites the same K/V slots each time, which changes nothing; the engine is
-    # not stepped after this, so its half-taken step never matters.
-    input_ids, input_positions, meta = engine.prepare(engine.scheduler.schedule())
+    # The paged forward alone: the next step's batch through the engine's runner, again
+    # and again (its few input tensors and the attention metadata are built each time,
+    # as every step builds them). It rewrites the same K/V slots each time, which changes
+    # nothing; the engine is not stepped after this, so its half-taken step never matters.
+    batch = prepare(engine.scheduler.schedule(), engine.allocator)
 
     def paged_forward():
-        attention = PagedAttention(engine.pool.k_caches, engine.pool.v_caches, meta, engine.kernels)
-        model(input_ids, input_positions, attention, logits_at=meta.last_token_index())
+        engine.runner.forward(batch)  # [S, V]
 
     paged, padded = median_seconds_in_turns([paged_forward, padded_forward_in_place], args.steps)
     print(f"{args.seqs} sequences, context {args.context}-{args.context + 30}, torch threads "

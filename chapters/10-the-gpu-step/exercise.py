@@ -6,10 +6,11 @@ them against this file with
 
     python -m minicb check 10
 
-Given (minicb/cuda_graphs.py documents it): the decode runner, DecodeGraphs --
-its static buffers, the scratch block, capture, replay, and the eager forward a
-CPU runs instead. The class at the bottom of this file is that runner, calling
-your three functions where the reference calls its own; the engine builds it
+Given (minicb/cuda_graphs.py documents it): the decode runner, DecodeGraphs, a
+ModelRunner (minicb/model_runner.py) -- its static buffers, the scratch block,
+capture, replay, and the eager forward a CPU runs instead. The class at the
+bottom of this file is that runner, calling your three functions where the
+reference calls its own; the engine builds it and hands it every step's batch
 (EngineConfig(cuda_graphs=True) on a CPU runs it eagerly, with your padding).
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 def smallest_bucket(buckets: list[int], num_seqs: int) -> int | None:
     """Task 1: the smallest of `buckets` (ascending) that holds num_seqs rows, or None when num_seqs
-    is over the largest. ValueError naming the value unless num_seqs is an int >= 1."""
+    is over the largest (the runner then runs the step eagerly). ValueError naming the value unless
+    num_seqs is an int >= 1."""
     raise NotImplementedError(
         "Chapter 10, task 1: smallest_bucket() — see chapters/10-the-gpu-step/README.md#task-1")
 
