@@ -246,10 +246,12 @@ class CachingBlockAllocator(BlockAllocator):
     def cache_full_blocks(self, seq_id: int, token_ids: list[int]) -> int:
         """Give keys to `seq_id`'s full blocks among `token_ids`; return how many keys are new.
 
-        `token_ids` are the sequence's tokens whose K/V are computed now (call it
-        after the forward pass): all of them, or the first ones when the rest of a
-        prompt is still to come in later chunks (chapter 08). Only full blocks
-        among them get keys. Calling it again changes nothing.
+        `token_ids` are the sequence's tokens whose K/V are computed by the end of
+        the step being scheduled (the scheduler calls it as it schedules them, so a
+        request admitted later in the same step already hits them): all of them,
+        or the first ones when the rest of a prompt is still to come in later
+        chunks (chapter 08). Only full blocks among them get keys. Calling it
+        again changes nothing.
 
         One key, one block: if another physical block already holds a full
         block's key (two requests computed the same prefix side by side), this

@@ -60,6 +60,43 @@ def test_a_shared_system_prompt_is_computed_once(tiny):
     assert any(trace.shared_blocks for trace in llm.traces), "requests sharing the system prompt share blocks"
 
 
+@pytest.mark.task(1)
+def test_requests_admitted_in_one_step_compute_a_shared_prefix_once(tiny):
+    # 8 requests behind one 300-token prefix arrive together and are all admitted in the
+    # first step. The first registers the keys of the 75 full blocks it schedules; the
+    # other 7 look them up in the same step and compute only their own tail. (Every
+    # layer stores the step's K/V before any attention reads it, so sharing blocks that
+    # are written in this very forward is safe.)
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 250) for _ in range(300)]
+    prompts = [prefix + [rng.randrange(3, 250) for _ in range(rng.randint(1, 7))] for _ in range(8)]
+    on, computed_on, llm = run(tiny, prompts, True, max_num_seqs=8, num_blocks=160)
+    off, computed_off, _ = run(tiny, prompts, False, max_num_seqs=8, num_blocks=160)
+    assert_same_tokens(on, off, "one step, one shared prefix")
+    assert llm.traces[0].admitted == list(range(8)), f"all 8 must be admitted in step 0: {llm.traces[0].admitted}"
+    hits = [o.metrics.num_cached_tokens for o in on]
+    assert hits == [0] + [300] * 7, f"cached prompt tokens per request, want [0] + [300] * 7: {hits}"
+    assert computed_on == computed_off - 7 * 300, (f"prefill tokens computed: {computed_on} with caching, "
+                                                   f"{computed_off} without; want 7 x 300 fewer")
+
+
+@pytest.mark.task(1)
+def test_a_chunk_keys_only_the_blocks_it_fills(tiny):
+    # With chunked prefill, a block gets its key when every one of its tokens is
+    # scheduled, not before: a later request must never hit a block still half empty.
+    llm = LLM.from_model(tiny, enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=10,
+                         block_size=4, max_num_seqs=2, num_blocks=64)
+    engine = llm.engine
+    rid = engine.add_request(SYSTEM, SamplingParams(max_tokens=2))
+    engine.step()  # tokens 0-9: blocks 0 and 1 are full, block 2 holds 2 of its 4
+    table = engine.allocator.block_table(rid)
+    keyed = [engine.allocator.block_key(block) is not None for block in table[:4]]
+    assert keyed == [True, True, False, False], f"after a 10-token chunk, blocks keyed: {keyed}; want the 2 full ones"
+    engine.step()  # tokens 10-19: blocks 2, 3 and 4 fill up
+    keyed = [engine.allocator.block_key(block) is not None for block in engine.allocator.block_table(rid)[:6]]
+    assert keyed == [True] * 5 + [False], f"after two chunks (20 tokens), blocks keyed: {keyed}; want the 5 full ones"
+
+
 @pytest.mark.task(2)
 def test_the_same_prompt_twice_is_a_full_hit_that_still_computes_the_last_token(tiny):
     prompt = SYSTEM[:40]  # exactly 10 blocks of 4

@@ -48,7 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16, help="KV block size (minicb) and page size (HF)")
     ap.add_argument("--attention", default="torch", choices=["torch", "triton"])
     ap.add_argument("--rate", type=float, default=1.0,
-                    help="poisson, shared-prefix and long-prompt workloads: requests per second")
+                    help="poisson, shared-prefix and long-prompt workloads: requests per second (0: all at once)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256,
                     help="minicb-chunked: tokens a step computes at most (the token budget)")
     ap.add_argument("--random-max-prompt", type=int, default=256, help="random workload: longest prompt")
@@ -68,6 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = sorted(set(args.engines.split(",")) - set(ENGINES))
     if unknown:
         ap.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    if args.rate < 0:
+        ap.error(f"--rate={args.rate}; it must be > 0 requests/s, or 0 for all at once")
     for name in ("num_prompts", "max_tokens", "slots", "hf_batch", "block_size", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")

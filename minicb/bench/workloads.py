@@ -16,12 +16,14 @@ is prompt token ids, its own output budget, and whether EOS ends it:
              prompts' questions pasted together) arrive, one every few requests, at
              --rate: the traffic chunked prefill is for (compare minicb-continuous
              with minicb-chunked, and read the ITL p99).
+    --rate 0 makes poisson, shared-prefix and long-prompt arrive all at once.
 
 Each is seeded (--seed), so every engine sees exactly the same requests.
 
     python -m minicb bench --workload random --num-prompts 32 --max-tokens 128
     python -m minicb bench --workload poisson --rate 0.5
     python -m minicb bench --workload shared-prefix --engines minicb-continuous,minicb-prefix-cache
+    python -m minicb bench --workload shared-prefix --rate 0 --engines minicb-continuous,minicb-prefix-cache
 """
 from __future__ import annotations
 
@@ -177,8 +179,8 @@ def build_requests(workload: str, args, tokenizer, vocab_size: int) -> tuple[lis
                            f"({args.lengths_json}), EOS ignored, at most {args.max_tokens} tokens")
     if workload not in ("poisson", "shared-prefix", "long-prompt"):
         return requests, None, description
-    # Shared-prefix traffic arrives over time too: a request can only hit what an
-    # earlier one has finished computing, and requests admitted in the same step
-    # all compute the shared prefix themselves.
+    if args.rate == 0:  # everyone at once: the burst a server sees when a class starts the same exercise
+        return requests, None, description + ", all arriving at once"
+    # Traffic that arrives over time: independent users, Poisson arrivals.
     return (requests, poisson_arrivals(len(requests), args.rate, args.seed),
             description + f", Poisson arrivals at {args.rate:g} req/s")

@@ -1,0 +1,199 @@
+"""The differential fuzzer: any mix of engine features gives exactly the plain engine's tokens.
+
+Every feature of the engine is a rule of one loop (minicb/scheduler.py) or an
+object behind an interface it already has (the allocator, the runner). So
+turning features on may change *when* a token is computed, *where* its K/V
+live and *how many* tokens a step computes, but never *which* token comes out.
+This file holds the engine to that.
+
+Hypothesis draws a configuration and a workload:
+- block size, slots, and a KV pool from the smallest that lets every request
+  finish alone (which forces preemption) up to a roomy one;
+- prefix caching on or off; chunked prefill on or off, with budgets from 1;
+- chapter 10's decode runner on or off (on a CPU it runs eagerly, padding
+  decode steps to its buckets through its static buffers);
+- requests with fresh, shared-prefix and repeated prompts, n from 1 to 3,
+  greedy or seeded sampling, arriving over a few steps;
+- aborts of whole requests or of single completions, at a random step.
+
+Each workload runs on the tiny random model, and every completion that was not
+aborted must equal, token for token and in its finish reason, what the plain
+engine (chapter 06's: no caching, whole prompts, eager, a pool and slots for
+everyone at once) gives for the same request. Along the way: each completion's
+streamed tokens equal its final ones, and at the end every block is free and
+the engine holds nothing.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, note, seed, settings
+from hypothesis import strategies as st
+
+from minicb.engine import Engine, EngineConfig
+from minicb.model import random_model
+from minicb.naive import first_difference
+from minicb.sampling import SamplingParams
+
+VOCAB = 256  # the tiny model's
+MODEL = random_model(seed=3)
+EXAMPLES = 200
+
+
+@st.composite
+def workloads(draw):
+    """(engine config, requests): each request is (arrival step, prompt, params, abort), abort None or
+    (step, completion or None)."""
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    max_num_seqs = draw(st.integers(1, 4))  # few slots: admissions, forks and preemptions compete for them
+    token = st.integers(3, VOCAB - 1)
+    base = draw(st.lists(token, min_size=1, max_size=24))
+    requests = []
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["fresh", "shared prefix", "repeat"]))
+        if kind == "fresh":
+            prompt = draw(st.lists(token, min_size=1, max_size=24))
+        elif kind == "shared prefix":
+            prompt = base[:draw(st.integers(1, len(base)))] + draw(st.lists(token, max_size=8))
+        else:
+            prompt = list(requests[-1][1] if requests else base)
+        n = draw(st.integers(1, min(3, max_num_seqs)))
+        seeded = draw(st.booleans())
+        params = SamplingParams(max_tokens=draw(st.integers(1, 8)), n=n, temperature=0.9 if seeded else 0.0,
+                                seed=draw(st.integers(0, 2**16)) if seeded else None)
+        abort = draw(st.none() | st.tuples(st.integers(0, 12), st.none() | st.integers(0, n - 1)))
+        requests.append((draw(st.just(0) | st.integers(0, 6)), prompt, params, abort))
+    # The smallest pool lets the longest request run alone to its end: every tighter
+    # one would be refused. Pools near it force preemption.
+    smallest = max(-(-(len(prompt) + params.max_tokens) // block_size) for _, prompt, params, _ in requests)
+    chunked = draw(st.booleans())
+    config = dict(block_size=block_size, max_num_seqs=max_num_seqs,
+                  num_blocks=draw(st.integers(smallest, 3 * smallest + 4)),
+                  enable_prefix_caching=draw(st.booleans()),
+                  enable_chunked_prefill=chunked,
+                  # Small budgets cut prompts into many chunks: most of what chunking can get wrong.
+                  max_num_batched_tokens=draw(st.integers(1, 12) | st.integers(1, 64) if chunked
+                                              else st.sampled_from([8, 64, 4096])),
+                  cuda_graphs=draw(st.booleans()) or None, watermark=draw(st.sampled_from([0.0, 0.01, 0.2])))
+    return config, requests
+
+
+def serve(config: dict, requests: list, aborts: bool = True):
+    """Run `requests` through an engine built from `config`, step by step.
+
+    Returns ({(request index, completion): (tokens, finish reason)} of the completions
+    that finished, the set of (index, completion) that were aborted). Checks the
+    streamed tokens, and that nothing is left behind.
+    """
+    engine = Engine(MODEL, EngineConfig(**config))
+    index_of, streamed, results, aborted = {}, {}, {}, set()
+    rid_of, step = {}, 0
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
+    while pending or engine.has_unfinished():
+        while pending and requests[pending[0]][0] <= step:
+            i = pending.pop(0)
+            rid = engine.add_request(requests[i][1], requests[i][2])
+            index_of[rid], rid_of[i] = i, rid
+        for i, rid in rid_of.items():
+            abort = requests[i][3]
+            if aborts and abort is not None and abort[0] == step:
+                try:
+                    victims = engine.abort(rid, abort[1])
+                except KeyError:
+                    continue  # it (or that completion) had finished, or not forked yet
+                aborted |= {(i, seq.completion) for seq in victims}
+                # Completion 0 aborted before its request forked: the other n - 1 never will.
+                aborted |= {(i, c) for seq in victims for c in range(1, 1 + seq.siblings_to_come)}
+        if not engine.has_unfinished():
+            step += 1
+            continue
+        out = engine.step()
+        for t in out.new_tokens:
+            streamed.setdefault((index_of[t.request_id], t.completion), []).append(t.token)
+        for seq in out.finished:
+            key = (index_of[seq.owner_id], seq.completion)
+            assert key not in results, f"request {key[0]} completion {key[1]} finished twice"
+            assert streamed.get(key) == seq.output_token_ids, (
+                f"request {key[0]} completion {key[1]}: streamed {streamed.get(key)}, final {seq.output_token_ids}")
+            results[key] = (seq.output_token_ids, seq.finish_reason)
+        step += 1
+        assert step < 3000, f"no progress: {len(results)} completions finished after {step} steps"
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks, (
+        f"{engine.allocator.num_free_blocks} of {engine.allocator.num_blocks} blocks are free after the run")
+    assert not engine.requests and not engine.scheduler.running and not any(engine.scheduler.slots), (
+        f"the engine still holds {sorted(engine.requests)}")
+    return results, aborted
+
+
+def plain(requests: list) -> dict:
+    """The oracle: chapter 06's engine with room for everyone at once, no aborts."""
+    width = sum(params.n for _, _, params, _ in requests)
+    results, _ = serve(dict(max_num_seqs=width, num_blocks=64 * width, cuda_graphs=False, keep_traces=0),
+                       [(0, prompt, params, None) for _, prompt, params, _ in requests], aborts=False)
+    return results
+
+
+# A fixed seed, not derandomize=True: the same examples on every run, drawn the way a
+# random run draws them (derandomize's own sequence reached the sibling-slot crash
+# this file has a test for far less often).
+@seed(20261201)
+@settings(max_examples=EXAMPLES, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(workloads())
+def test_every_feature_mix_gives_the_plain_engines_tokens(workload):
+    config, requests = workload
+    note(f"config {config}")
+    for i, request in enumerate(requests):
+        note(f"request {i}: arrives at step {request[0]}, prompt {request[1]}, {request[2]}, abort {request[3]}")
+    got, aborted = serve(config, requests)
+    want = plain(requests)
+    expected = {(i, c) for i, (_, _, params, _) in enumerate(requests) for c in range(params.n)}
+    assert got.keys() | aborted == expected and not got.keys() & aborted, (
+        f"every completion must finish or be aborted, once: missing {sorted(expected - got.keys() - aborted)}, "
+        f"both {sorted(got.keys() & aborted)}")
+    for key in sorted(got):
+        (tokens, reason), (want_tokens, want_reason) = got[key], want[key]
+        assert (tokens, reason) == (want_tokens, want_reason), (
+            f"request {key[0]} completion {key[1]}: finish {reason!r} vs the plain engine's {want_reason!r}; "
+            f"{first_difference(tokens, want_tokens, ('engine', 'plain engine'))}")
+
+
+def test_the_fuzzer_reaches_every_feature():
+    # The strategy must actually draw what the docstring promises, or the test above
+    # proves less than it says. Draw 300 workloads the same way and count.
+    seen = {"caching": 0, "chunked": 0, "budget 1": 0, "runner": 0, "n > 1": 0, "seeded": 0, "abort": 0,
+            "repeat": 0, "tight pool": 0}
+    examples = []
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(workloads())
+    def collect(workload):
+        examples.append(workload)
+
+    collect()
+    for config, requests in examples:
+        seen["caching"] += config["enable_prefix_caching"]
+        seen["chunked"] += config["enable_chunked_prefill"]
+        seen["budget 1"] += config["enable_chunked_prefill"] and config["max_num_batched_tokens"] == 1
+        seen["runner"] += config["cuda_graphs"] is True
+        seen["n > 1"] += any(p.n > 1 for _, _, p, _ in requests)
+        seen["seeded"] += any(p.seed is not None for _, _, p, _ in requests)
+        seen["abort"] += any(a is not None for *_, a in requests)
+        seen["repeat"] += len({tuple(p) for _, p, _, _ in requests}) < len(requests)
+        smallest = max(-(-(len(p) + s.max_tokens) // config["block_size"]) for _, p, s, _ in requests)
+        seen["tight pool"] += config["num_blocks"] == smallest
+    assert all(seen.values()), f"the strategy never drew some features in 300 examples: {seen}"
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
+def test_a_chunked_prompt_with_n_2_forks_into_its_promised_slots(caching):
+    # The case that once crashed with `None is not in list`: a request whose prompt was
+    # still in chunks held no promise for its sibling's slot, so a later admission took
+    # it, and the fork found no free slot.
+    requests = [(0, [10 + t for t in range(6)], SamplingParams(max_tokens=4, n=2), None),
+                (0, [40, 41], SamplingParams(max_tokens=4, n=2), None),
+                (0, [50, 51], SamplingParams(max_tokens=4), None)]
+    config = dict(block_size=4, max_num_seqs=4, num_blocks=32, enable_chunked_prefill=True,
+                  max_num_batched_tokens=5, enable_prefix_caching=caching)
+    got, _ = serve(config, requests)
+    assert got == plain(requests), f"chunked with n = 2, 2, 1: {got} vs the plain engine's {plain(requests)}"
