@@ -100,14 +100,17 @@ def set_num_threads(n: int) -> None:
     kernel on every core. On a CPU shared with other jobs one thread each is often
     faster: a parallel loop waits for its slowest thread.
     """
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"threads={n!r}; give a whole number >= 1")
-    torch.set_num_threads(n)
+    # Numba first: starting its thread pool can start an OpenMP runtime, and with it
+    # reset the pool torch shares, so a torch setting made before would be lost.
     try:
         import numba
     except ImportError:
-        return
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        numba = None
+    if numba is not None:
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(n)
 
 
 def applies_to(q: torch.Tensor) -> bool:

@@ -77,3 +77,27 @@ def test_the_engine_gives_the_same_tokens_with_either_decode(monkeypatch):
         else:
             assert used == 0, f"MINICB_CPU_DECODE=gather must switch the kernel off; it ran {used} times"
     assert runs["compiled"] == runs["gather"], f"tokens differ: {runs}"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_set_num_threads_sets_torch_and_numba_alike(threads):
+    # In a fresh process, as the command-line entry points call it: the first call
+    # starts Numba's pool, which once reset torch's threads behind its back.
+    import subprocess
+    import sys
+
+    # Then the engine decodes once on the compiled kernel, whose first run starts Numba's pool.
+    code = ("import torch, numba; from minicb.cpu_attention import set_num_threads; "
+            f"set_num_threads({threads}); "
+            "from minicb import LLM, SamplingParams; from minicb.model import random_model; "
+            "LLM.from_model(random_model(seed=1), block_size=4, num_blocks=32, max_num_seqs=2)"
+            ".generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3), use_tqdm=False); "
+            "print(torch.get_num_threads(), numba.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    torch_threads, numba_threads = map(int, out.stdout.split()[-2:])
+    import numba
+    want_numba = min(threads, numba.config.NUMBA_NUM_THREADS)
+    assert (torch_threads, numba_threads) == (threads, want_numba), (
+        f"set_num_threads({threads}) left torch on {torch_threads} thread(s) and Numba on {numba_threads}; "
+        f"want {threads} and {want_numba}")
