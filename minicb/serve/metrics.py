@@ -78,10 +78,9 @@ class ServerMetrics:
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         self.kv_total.set(allocator.num_blocks)
-        cached = len(allocator.cached_free_blocks()) if hasattr(allocator, "cached_free_blocks") else 0
         # Prefix caching counts cached blocks as free (they can be handed out); "used" is what live sequences hold.
         self.kv_used.set(allocator.num_blocks - allocator.num_free_blocks)
-        self.kv_cached.set(cached)
+        self.kv_cached.set(len(allocator.cached_free_blocks()))  # every allocator answers (0 without caching)
 
     # ---- event loop ------------------------------------------------------------------
 
