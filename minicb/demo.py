@@ -29,6 +29,16 @@ def finish_times(traces) -> dict[int, float]:
     return done
 
 
+def latency_verdict(static_s: float, continuous_s: float) -> str:
+    """What the mean latencies say, in words that match the numbers: lower, higher or the same."""
+    if continuous_s < static_s:
+        return f"mean latency {static_s / continuous_s:.2f}x lower with continuous batching"
+    if continuous_s > static_s:
+        return (f"mean latency {continuous_s / static_s:.2f}x HIGHER with continuous batching "
+                f"(chapters/06-continuous-batching/README.md, \"When refilling cannot win\", says when and why)")
+    return "the same mean latency"
+
+
 def summary_row(name: str, traces, num_output_tokens: int) -> dict:
     from minicb.viz import summarize
 
@@ -108,8 +118,8 @@ def main(args) -> int:
     for r in rows:
         print(f"{r['engine']:<11} {r['steps']:>6} {r['seconds']:>8.1f} {r['tok/s']:>7.1f} "
               f"{r['mean latency (s)']:>12.1f}s {r['utilisation']:>12.1%} {r['idle slot-steps']:>16} {r['refills']:>8}")
-    print(f"continuous / static: {rows[1]['tok/s'] / rows[0]['tok/s']:.2f}x tok/s, "
-          f"{rows[0]['mean latency (s)'] / rows[1]['mean latency (s)']:.2f}x lower mean latency")
+    print(f"continuous / static: {rows[1]['tok/s'] / rows[0]['tok/s']:.2f}x tok/s; " + latency_verdict(
+        rows[0]["mean latency (s)"], rows[1]["mean latency (s)"]))
 
     # The same two timelines as a picture (the README shows one).
     png = pathlib.Path(args.png)
