@@ -37,6 +37,7 @@ from minicb.sampling import SamplingParams
 VOCAB = 256  # the tiny model's
 MODEL = random_model(seed=3)
 EXAMPLES = 200
+SEED = seed(20261201)  # the same workloads on every run (see the test below)
 
 
 @st.composite
@@ -46,19 +47,19 @@ def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     max_num_seqs = draw(st.integers(1, 4))  # few slots: admissions, forks and preemptions compete for them
     token = st.integers(3, VOCAB - 1)
-    base = draw(st.lists(token, min_size=1, max_size=24))
+    base = draw(st.lists(token, min_size=1, max_size=20))
     requests = []
-    for _ in range(draw(st.integers(1, 8))):
+    for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from(["fresh", "shared prefix", "repeat"]))
         if kind == "fresh":
-            prompt = draw(st.lists(token, min_size=1, max_size=24))
+            prompt = draw(st.lists(token, min_size=1, max_size=20))
         elif kind == "shared prefix":
             prompt = base[:draw(st.integers(1, len(base)))] + draw(st.lists(token, max_size=8))
         else:
             prompt = list(requests[-1][1] if requests else base)
         n = draw(st.integers(1, min(3, max_num_seqs)))
         seeded = draw(st.booleans())
-        params = SamplingParams(max_tokens=draw(st.integers(1, 8)), n=n, temperature=0.9 if seeded else 0.0,
+        params = SamplingParams(max_tokens=draw(st.integers(1, 6)), n=n, temperature=0.9 if seeded else 0.0,
                                 seed=draw(st.integers(0, 2**16)) if seeded else None)
         abort = draw(st.none() | st.tuples(st.integers(0, 12), st.none() | st.integers(0, n - 1)))
         requests.append((draw(st.just(0) | st.integers(0, 6)), prompt, params, abort))
@@ -71,8 +72,8 @@ def workloads(draw):
                   enable_prefix_caching=draw(st.booleans()),
                   enable_chunked_prefill=chunked,
                   # Small budgets cut prompts into many chunks: most of what chunking can get wrong.
-                  max_num_batched_tokens=draw(st.integers(1, 12) | st.integers(1, 64) if chunked
-                                              else st.sampled_from([8, 64, 4096])),
+                  max_num_batched_tokens=draw(st.sampled_from([1, 2, 3]) | st.integers(1, 12) | st.integers(1, 64)
+                                              if chunked else st.sampled_from([8, 64, 4096])),
                   cuda_graphs=draw(st.booleans()) or None, watermark=draw(st.sampled_from([0.0, 0.01, 0.2])))
     return config, requests
 
@@ -135,7 +136,7 @@ def plain(requests: list) -> dict:
 # A fixed seed, not derandomize=True: the same examples on every run, drawn the way a
 # random run draws them (derandomize's own sequence reached the sibling-slot crash
 # this file has a test for far less often).
-@seed(20261201)
+@SEED
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workloads())
@@ -159,12 +160,13 @@ def test_every_feature_mix_gives_the_plain_engines_tokens(workload):
 
 def test_the_fuzzer_reaches_every_feature():
     # The strategy must actually draw what the docstring promises, or the test above
-    # proves less than it says. Draw 300 workloads the same way and count.
+    # proves less than it says. Draw 300 workloads with the same seed and count.
     seen = {"caching": 0, "chunked": 0, "budget 1": 0, "runner": 0, "n > 1": 0, "seeded": 0, "abort": 0,
             "repeat": 0, "tight pool": 0}
     examples = []
 
-    @settings(max_examples=300, derandomize=True, database=None, deadline=None,
+    @SEED
+    @settings(max_examples=300, database=None, deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(workloads())
     def collect(workload):
