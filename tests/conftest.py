@@ -91,7 +91,8 @@ def chapter01_answers(smollm2):
 
 # The exercise's functions and methods, by task (chapters/NN-slug/exercise.py).
 TASK_FUNCTIONS = {
-    "scheduler": {1: ["Scheduler.admit"], 2: ["Scheduler.postprocess"], 3: ["Scheduler.schedule_decodes"]},
+    "scheduler": {1: ["Scheduler.admit"], 2: ["Scheduler.postprocess"],
+                  3: ["Scheduler.schedule_running", "Scheduler.grow"]},
     "prefix_cache": {
         1: ["block_keys", "CachingBlockAllocator.cache_full_blocks"],
         2: ["CachingBlockAllocator.cached_prefix", "CachingBlockAllocator.allocate_prefix"],
@@ -99,10 +100,9 @@ TASK_FUNCTIONS = {
         4: ["CachingBlockAllocator.append"],
     },
     "chunked_prefill": {
-        1: ["ChunkedScheduler.schedule_running"],
-        2: ["chunk_size", "ChunkedScheduler.admit_chunks"],
-        3: ["offset_causal_mask", "chunk_attention"],
-        4: ["chunk_attention_triton"],
+        1: ["chunk_size", "ChunkedScheduler.tokens_to_compute"],
+        2: ["offset_causal_mask", "chunk_attention"],
+        3: ["chunk_attention_triton"],
     },
     "serve.loop": {1: ["group_step"], 2: ["take_commands", "apply_commands"]},
     "cuda_graphs": {1: ["batch_buckets", "smallest_bucket"], 2: ["pad_decode_inputs"]},
@@ -115,7 +115,7 @@ def one_task(request, monkeypatch):
     reference's code for the module's other tasks. The test file names its module
     in a global GRADED_MODULE ("scheduler", "prefix_cache").
 
-    A scheduler test drives whole steps (admit, decode, postprocess), and a prefix
+    A scheduler test drives whole steps (schedule_running, admit, postprocess), and a prefix
     cache test frees what it allocated, so a test of one task also calls the code
     of the others. Without this, a student who has written only task 1 would
     still fail task 1 on the other stubs. A test marked task("all") runs the

@@ -103,6 +103,29 @@ def test_triton_backend_matches_torch_backend(tiny):
         assert a == b, f"prompt {i}: {first_difference(a, b, ('torch', 'triton'))}"
 
 
+@pytest.mark.task(1)
+@pytest.mark.parametrize("num_blocks", [64, 14], ids=["roomy", "tight"])
+def test_requests_with_different_n_share_the_slots_and_give_chapter01s_tokens(tiny, num_blocks):
+    """n = 1, 2 and 3 mixed in one workload on 4 slots: a request with n completions takes n
+    slots, its siblings fork from it when its prompt is done, and greedy completions all equal
+    chapter 01's one answer. On 14 blocks of 4 the completions also preempt one another."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, tiny.config.vocab_size) for _ in range(rng.randint(2, 12))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=rng.randint(4, 12), ignore_eos=True, n=n)
+              for n in (3, 1, 2, 2, 1, 3, 1, 2, 3, 1)]
+    llm = LLM.from_model(tiny, block_size=4, max_num_seqs=4, num_blocks=num_blocks)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (o, p) in enumerate(zip(outs, params)):
+        want = generate_with_cache(tiny, prompts[i], SamplingParams(max_tokens=p.max_tokens, ignore_eos=True)).token_ids
+        assert len(o.outputs) == p.n, f"prompt {i} asked for n={p.n} completions and got {len(o.outputs)}"
+        for c in o.outputs:
+            assert c.token_ids == want, (f"prompt {i} (n={p.n}) completion {c.index}: "
+                                         f"{first_difference(c.token_ids, want, ('engine', 'chapter 01'))}")
+    assert llm.engine.allocator.num_free_blocks == num_blocks, "every block must be free at the end"
+    preemptions = sum(len(t.preempted) for t in llm.traces)
+    assert (preemptions > 0) == (num_blocks == 14), f"{num_blocks} blocks: {preemptions} preemptions"
+
+
 # ---- the real model
 
 

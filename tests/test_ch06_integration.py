@@ -2,9 +2,9 @@
 
 The other chapter 06 tests grade each task on its own, with the reference's
 methods standing in for the other two tasks. That lets a class write the tasks
-in any order, but it never runs your three methods together. This file does:
-the graded scheduler's `admit`, `schedule_decodes` and `postprocess` all run in
-the real engine, on a pool small enough to preempt and re-admit, and every
+in any order, but it never runs your methods together. This file does: the
+graded scheduler's `admit`, `postprocess`, `schedule_running` and `grow` all run
+in the real engine, on a pool small enough to preempt and re-admit, and every
 request's greedy tokens must equal chapter 01's. `check 6` shows it as the row
 "all".
 

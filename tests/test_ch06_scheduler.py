@@ -26,18 +26,39 @@ def make(num_blocks=16, block_size=4, max_num_seqs=2, max_model_len=256, budget=
                              max_num_batched_tokens=budget, watermark=watermark)
 
 
-def seq(rid, prompt_len, max_tokens=8):
-    return sched().Sequence(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens))
+def seq(rid, prompt_len, max_tokens=8, n=1):
+    """A request of `prompt_len` tokens. With n > 1, give it ids from s.new_request_id() (its
+    forked completions take theirs from the same counter)."""
+    q = sched().Sequence(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, n=n))
+    q.sibling_generators = [None] * (n - 1)  # the engine's generators for completions 1 .. n - 1 (greedy: None)
+    return q
 
 
 def ids(seqs) -> list[int]:
     return [q.request_id for q in seqs]
 
 
+def sampled_for(out, token=7) -> list[list[int]]:
+    """What the engine samples after a step: nothing for a chunk that does not finish its
+    prompt, one token for a sequence that computed its last token, and n for a request whose
+    n completions fork now."""
+    return [[token] * (1 + q.siblings_to_come) if q.num_computed_tokens + out.num_new_tokens(q) == q.num_tokens
+            else [] for q in out.sequences]
+
+
 def run_step(s, token=7):
     out = s.schedule()
-    finished = s.postprocess(out, [token] * len(out.sequences), now=0.0)
+    finished = s.postprocess(out, sampled_for(out, token), now=0.0)
     return out, finished
+
+
+def cutting(scheduler_class):
+    """The graded scheduler with chapter 08's rule: a prompt may be cut to what is left of the budget.
+    Nothing else changes, so a request can run for steps with its prompt still being computed."""
+    class Cutting(scheduler_class):
+        def tokens_to_compute(self, num_remaining, budget, step_is_empty):
+            return max(0, min(num_remaining, budget))
+    return Cutting
 
 
 @pytest.mark.task(1)
@@ -198,3 +219,149 @@ def test_abort_frees_everything():
     assert not s.has_unfinished() and s.allocator.num_free_blocks == 16, (
         f"after aborting both, nothing may wait or run and all 16 blocks be free: waiting {ids(s.waiting)}, "
         f"running {ids(s.running)}, {s.allocator.num_free_blocks} free")
+
+
+# ---- the one loop: every scheduled sequence in num_scheduled, one budget for all ---------------
+
+
+@pytest.mark.task(1)
+def test_every_admitted_request_has_its_tokens_in_num_scheduled():
+    s = make(max_num_seqs=3)
+    s.add(seq(0, prompt_len=3))
+    s.add(seq(1, prompt_len=5))
+    out = s.schedule()
+    assert (ids(out.prefills), out.admitted) == ([0, 1], [0, 1]), (
+        f"both prompts should be admitted as prefills; prefills {ids(out.prefills)}, admitted {out.admitted}")
+    assert out.num_scheduled == {0: 3, 1: 5}, (f"num_scheduled must give every scheduled sequence its tokens "
+                                               f"(self.put does it): want {{0: 3, 1: 5}}, got {out.num_scheduled}")
+    held = [(q.num_computed_tokens, s.allocator.num_tokens(q.request_id)) for q in out.prefills]
+    assert held == [(0, 3), (0, 5)], (f"admitted with nothing computed yet and blocks for every token: "
+                                      f"(num_computed_tokens, tokens held) {held}, want [(0, 3), (0, 5)]")
+
+
+@pytest.mark.task(3)
+def test_every_running_request_has_its_token_in_num_scheduled():
+    s = make(max_num_seqs=3)
+    s.add(seq(0, prompt_len=3))
+    s.add(seq(1, prompt_len=5))
+    run_step(s)
+    out = s.schedule()
+    assert (ids(out.decodes), ids(out.prefills)) == ([0, 1], []), (
+        f"step 2 decodes both, oldest first; decodes {ids(out.decodes)}, prefills {ids(out.prefills)}")
+    assert out.num_scheduled == {0: 1, 1: 1}, f"a decode computes 1 token: num_scheduled {out.num_scheduled}"
+    held = [s.allocator.num_tokens(q) for q in (0, 1)]
+    assert held == [4, 6], f"grow must give each its newest token's slot: tokens held {held}, want [4, 6]"
+
+
+@pytest.mark.task(3)
+def test_a_decode_waits_when_the_budget_is_spent():
+    # A 2-token prompt with n = 3 on a budget of 2: its prompt fits, and it forks into
+    # three completions. From then on three sequences decode, and only two tokens fit a step.
+    s = make(max_num_seqs=4, budget=2)
+    s.add(seq(s.new_request_id(), prompt_len=2, max_tokens=3, n=3))
+    out, _ = run_step(s)
+    assert ids(s.running) == [0, 1, 2], f"step 1 computes the prompt and forks: running {ids(s.running)}"
+    out = s.schedule()
+    assert (ids(out.decodes), out.num_scheduled) == ([0, 1], {0: 1, 1: 1}), (
+        f"a budget of 2 tokens decodes the two oldest of three; decodes {ids(out.decodes)}, "
+        f"num_scheduled {out.num_scheduled}")
+    waiting = s.running[2]
+    assert (waiting.request_id, waiting.status, out.preempted) == (2, "running", []), (
+        "the third waits for budget in its slot: it is neither preempted nor requeued")
+    assert s.allocator.num_tokens(2) == 2, (f"a sequence that waits this step gets no new token slot: it holds "
+                                            f"{s.allocator.num_tokens(2)} tokens, want 2")
+    finished = s.postprocess(out, sampled_for(out), now=0.0)
+    for _ in range(3):
+        finished += run_step(s)[1]
+    got = sorted((q.request_id, len(q.output_token_ids)) for q in finished)
+    assert got == [(0, 3), (1, 3), (2, 3)], (f"nobody starves: once the oldest finish, the third decodes too; "
+                                             f"finished (id, tokens) {got}")
+
+
+@pytest.mark.task(1)
+def test_a_long_prompt_waits_behind_decodes_and_runs_in_an_empty_step():
+    s = make(num_blocks=64, max_num_seqs=4, budget=4)
+    s.add(seq(0, prompt_len=2, max_tokens=2))
+    run_step(s)
+    s.add(seq(1, prompt_len=9, max_tokens=1))
+    out, _ = run_step(s)  # request 0 decodes (1 token); 9 tokens do not fit the 3 left
+    assert (ids(out.decodes), ids(out.prefills)) == ([0], []), (
+        f"a 9-token prompt does not fit what one decode leaves of a budget of 4, so it waits; decodes "
+        f"{ids(out.decodes)}, prefills {ids(out.prefills)}")
+    out, _ = run_step(s)  # request 0 finished: the step is empty, so the whole prompt runs
+    assert (ids(out.prefills), out.num_scheduled) == ([1], {1: 9}), (
+        f"in a step with nothing else to compute a prompt runs whole, over the budget, or it would never run; "
+        f"prefills {ids(out.prefills)}, num_scheduled {out.num_scheduled}")
+
+
+@pytest.mark.task(1)
+def test_admission_keeps_slots_for_the_siblings_of_every_running_request():
+    # 4 slots. A request with n = 3 needs 3 of them: its prompt is computed once, and its two
+    # siblings fork from it when it is done. In the same step a second request takes the 4th
+    # slot; a third must wait, though only 2 sequences run yet.
+    s = make(max_num_seqs=4)
+    for n in (3, 1, 1):
+        s.add(seq(s.new_request_id(), prompt_len=3, max_tokens=2, n=n))
+    out = s.schedule()
+    assert out.admitted == [0, 1], (f"slots promised: 3 for request 0 (n = 3) + 1 for request 1 = 4, so request 2 "
+                                    f"waits; admitted {out.admitted}")
+    s.postprocess(out, sampled_for(out), now=0.0)
+    assert sorted(q.slot for q in s.running) == [0, 1, 2, 3], "the forked siblings take the slots kept for them"
+    # The same with chapter 08's rule, under which a prompt runs for several steps before it forks:
+    # a running request still computing its prompt holds its siblings' slots all that time.
+    s = cutting(sched().Scheduler)(BlockAllocator(16, 4), 4, 256, [EOS], max_num_batched_tokens=5, watermark=0.0)
+    for prompt_len, n in ((6, 2), (2, 2), (2, 1)):
+        s.add(seq(s.new_request_id(), prompt_len=prompt_len, max_tokens=3, n=n))
+    admitted = []
+    for _ in range(8):
+        if s.has_unfinished():
+            out, _ = run_step(s)
+            admitted.append(out.admitted)
+            assert len(s.running) <= 4, f"more sequences run than there are slots: {ids(s.running)}"
+    assert admitted[:5] == [[0], [1], [], [], [2]], (
+        f"request 0 (6 tokens, n = 2) is cut 5 + 1; in step 2 request 1 (n = 2) is admitted, and request 2 "
+        f"must wait: request 0, still computing its prompt, keeps a slot for its sibling. The four completions "
+        f"then hold every slot until they finish after step 4. Admitted per step {admitted[:5]}, "
+        f"want [[0], [1], [], [], [2]]")
+    assert not s.has_unfinished(), "every request must finish"
+
+
+@pytest.mark.task(2)
+def test_postprocess_forks_the_completions_of_a_finished_prompt():
+    s = make(max_num_seqs=4)
+    parent = seq(s.new_request_id(), prompt_len=6, max_tokens=4, n=3)
+    s.add(parent)
+    out = s.schedule()
+    finished = s.postprocess(out, [[7, EOS, 9]], now=1.5)  # one token per completion, in completion order
+    got = [(q.completion, q.parent_id, q.output_token_ids) for q in out.forked]
+    assert got == [(1, 0, [EOS]), (2, 0, [9])], (
+        f"postprocess must fork n - 1 = 2 completions (self.fork) and give each its own token: "
+        f"(completion, parent_id, outputs) {got}, want [(1, 0, [{EOS}]), (2, 0, [9])]")
+    assert parent.output_token_ids == [7] and parent.siblings_to_come == 0, (
+        f"the parent keeps the first token and has forked: outputs {parent.output_token_ids}, "
+        f"siblings to come {parent.siblings_to_come}")
+    assert [(q.completion, q.finish_reason) for q in finished] == [(1, "stop")], (
+        f"completion 1 sampled EOS: it finishes in the step it is born; finished "
+        f"{[(q.completion, q.finish_reason) for q in finished]}")
+    times = [q.first_token_time for q in [parent] + out.forked]
+    assert times == [1.5] * 3, f"every completion's first token came at now=1.5: {times}"
+    assert [q.num_computed_tokens for q in [parent] + out.forked] == [6] * 3, "all share the computed prompt"
+    assert [q.completion for q in s.running] == [0, 2], (
+        f"running afterwards: the parent and completion 2 (completion 1 finished); got "
+        f"{[q.completion for q in s.running]}")
+
+
+@pytest.mark.task(2)
+def test_postprocess_of_a_chunk_samples_nothing():
+    s = cutting(sched().Scheduler)(BlockAllocator(16, 4), 2, 256, [EOS], max_num_batched_tokens=4, watermark=0.0)
+    s.add(seq(0, prompt_len=10, max_tokens=3))
+    computed = []
+    for _ in range(3):
+        out = s.schedule()
+        finished = s.postprocess(out, sampled_for(out), now=0.0)
+        q = out.prefills[0]
+        computed.append((q.num_computed_tokens, list(q.output_token_ids)))
+    assert computed == [(4, []), (8, []), (10, [7])], (
+        f"a 10-token prompt in chunks of 4, 4 and 2: each chunk counts as computed, and only the last one "
+        f"gets a token; (num_computed_tokens, outputs) per step {computed}")
+    assert finished == [] and out.prefills[0].first_token_time == 0.0, "its first token came with the last chunk"

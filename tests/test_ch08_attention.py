@@ -42,7 +42,7 @@ def inputs(context_len, n_heads, n_kv_heads, head_dim, seed=0):
             torch.randn(context_len, n_kv_heads, head_dim, generator=g))
 
 
-@pytest.mark.task(3)
+@pytest.mark.task(2)
 @pytest.mark.parametrize("q_len,context_len", [(3, 7), (1, 5), (4, 4), (0, 3), (2, 2)])
 def test_offset_causal_mask_by_hand(q_len, context_len):
     got = cp().offset_causal_mask(q_len, context_len)
@@ -53,7 +53,7 @@ def test_offset_causal_mask_by_hand(q_len, context_len):
     assert torch.equal(got, want), f"q_len {q_len}, context_len {context_len}:\n got\n{got.int()}\n want\n{want.int()}"
 
 
-@pytest.mark.task(3)
+@pytest.mark.task(2)
 @pytest.mark.parametrize("context_len,q_len,n_heads,n_kv_heads,head_dim", CASES)
 def test_chunk_attention_equals_the_chunks_rows_of_causal_attention(context_len, q_len, n_heads, n_kv_heads,
                                                                      head_dim):
@@ -65,7 +65,7 @@ def test_chunk_attention_equals_the_chunks_rows_of_causal_attention(context_len,
     assert err < 1e-5, f"max abs error {err:.2e} against causal attention's last {q_len} rows"
 
 
-@pytest.mark.task(3)
+@pytest.mark.task(2)
 def test_chunk_attention_scale_and_errors():
     q_full, k, v = inputs(6, 4, 2, 8)
     got = cp().chunk_attention(q_full[4:], k, v, scale=0.5)
@@ -80,7 +80,7 @@ def test_chunk_attention_scale_and_errors():
         cp().offset_causal_mask(-1, 4)
 
 
-@pytest.mark.task(4)
+@pytest.mark.task(3)
 @pytest.mark.parametrize("context_len,q_len,n_heads,n_kv_heads,head_dim", CASES)
 def test_chunk_attention_triton_equals_the_chunks_rows_of_causal_attention(context_len, q_len, n_heads,
                                                                             n_kv_heads, head_dim, device):
@@ -92,7 +92,7 @@ def test_chunk_attention_triton_equals_the_chunks_rows_of_causal_attention(conte
     assert err < 1e-4, f"max abs error {err:.2e} against causal attention's last {q_len} rows"
 
 
-@pytest.mark.task(4)
+@pytest.mark.task(3)
 def test_chunk_attention_triton_errors(device):
     q_full, k, v = (t.to(device) for t in inputs(6, 4, 2, 8))
     with pytest.raises(ValueError, match="q_len"):

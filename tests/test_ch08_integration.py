@@ -1,9 +1,9 @@
 """Chapter 08, all tasks together: your chunked scheduler in the real engine.
 
 The other chapter 08 tests grade each task on its own, with the reference
-standing in for the other. This file runs your budget loop and your chunk
-cutting together: 48 requests with prompts up to 20 tokens on a budget of 5
-tokens a step, on a pool of 12 blocks, small enough to preempt (with prefix caching on, so
+standing in for the others. This file runs all your code in the engine at
+once: your rule (`chunk_size`, `tokens_to_compute`) inside chapter 06's loop,
+48 requests with prompts up to 20 tokens on a budget of 5 tokens a step, on a pool of 12 blocks, small enough to preempt (with prefix caching on, so
 re-admitted requests find their computed chunks). Every request's greedy
 tokens must equal chapter 01's. `check 8` shows it as the row "all".
 """

@@ -270,7 +270,7 @@ def test_chapter06_grades_each_task_on_its_own(tmp_path):
     failed = [f"{r.nodeid}: {r.message}" for r in results[1] if r.outcome != "passed"]
     assert results[1] and not failed, "task 1 is written, yet its tests failed:\n  " + "\n  ".join(failed)
     for task in (2, 3):
-        method = {2: "postprocess", 3: "schedule_decodes"}[task]
+        method = {2: "postprocess", 3: "schedule_running"}[task]  # schedule() calls it before grow()
         messages = {r.message.split(" —")[0] for r in results[task] if r.outcome == "failed"}
         assert messages == {f"NotImplementedError: Chapter 6, task {task}: Scheduler.{method}()"}, \
             f"task {task}'s tests should fail on its own stub only; they failed with {messages}"
