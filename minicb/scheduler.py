@@ -253,6 +253,10 @@ class Scheduler:
             # Blocks already cached for its prefix (chapter 07) are shared, not computed:
             # only the rest costs budget. The plain allocator has no cache: 0.
             cached = self.allocator.num_cached_tokens(seq.token_ids)
+            if cached >= seq.num_tokens:  # it would wait at the head of the queue forever
+                raise RuntimeError(f"the allocator reports {cached} of request {seq.request_id}'s {seq.num_tokens} "
+                                   f"tokens cached; a lookup must leave at least the last token to compute, "
+                                   f"since its logits pick the next token")
             num_new = self.tokens_to_compute(seq.num_tokens - cached, budget, out.is_empty)
             if num_new == 0:
                 break  # too much work for this step; it goes first next step

@@ -159,3 +159,21 @@ def test_token_times_stamp_every_output_token():
             f"prompt {o.index}: the first and last stamps must be the first-token and finish times: {times}, "
             f"{o.metrics.first_token_time}, {o.metrics.finish_time}")
         assert all(gap > 0 for gap in o.metrics.inter_token_latencies), f"prompt {o.index}: gaps {o.metrics.inter_token_latencies}"
+
+
+def test_a_lookup_that_leaves_nothing_to_compute_is_an_error_not_a_hang():
+    # A cache lookup must leave the last token to compute. One that does not would leave
+    # the request with nothing to schedule at the head of the queue, forever; the
+    # scheduler says so instead, and changes nothing.
+    from minicb.block_allocator import BlockAllocator
+    from minicb.scheduler import Scheduler, Sequence
+
+    class EverythingCached(BlockAllocator):
+        def num_cached_tokens(self, token_ids):
+            return len(token_ids)
+
+    scheduler = Scheduler(EverythingCached(8, 4), max_num_seqs=2, max_model_len=64, eos_token_ids=[2])
+    scheduler.add(Sequence(0, [5, 6, 7], SamplingParams(max_tokens=2)))
+    with pytest.raises(RuntimeError, match="3 of request 0's 3 tokens cached"):
+        scheduler.schedule()
+    assert [seq.request_id for seq in scheduler.waiting] == [0] and scheduler.allocator.num_free_blocks == 8
