@@ -219,11 +219,30 @@ class BlockAllocator(NoPrefixCache):
         # first blocks -- the part other requests are most likely to share --
         # the last of this sequence's blocks to be overwritten.
         for block in reversed(table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free.append(block)
+            self._drop(block)
         del self._block_tables[seq_id]
         del self._num_tokens[seq_id]
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink `seq_id` to its first `num_tokens` token slots; blocks past them go back.
+
+        Speculative decoding (chapter 11) calls this to drop the slots of draft
+        tokens the model rejected. The blocks that still hold a kept token stay.
+        """
+        table = self._lookup(seq_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) \
+                or not 0 <= num_tokens <= self._num_tokens[seq_id]:
+            raise ValueError(f"cannot truncate sequence {seq_id!r} to {num_tokens!r} tokens; "
+                             f"it holds {self._num_tokens[seq_id]}, so allowed: 0..{self._num_tokens[seq_id]}")
+        while len(table) > self.blocks_needed(num_tokens):
+            self._drop(table.pop())
+        self._num_tokens[seq_id] = num_tokens
+
+    def _drop(self, block: int) -> None:
+        """One holder fewer for `block`; with none left it is free again."""
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._free.append(block)
 
     # ---- queries ----------------------------------------------------------------
 

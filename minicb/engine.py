@@ -10,7 +10,8 @@ serving loop. `Engine.step()` does, in order:
     3. forward      the runner makes ONE model call over the ragged batch, decodes and
                     prefills together (or replays a CUDA graph, chapter 10)
     4. sample       a token for each sequence that computed its last token, with its own
-                    generator (n tokens for a request whose n completions fork now)
+                    generator (n tokens for a request whose n completions fork now; the
+                    accepted drafts and one more for a request verifying drafts, chapter 11)
     5. postprocess  the scheduler appends tokens, forks completions, evicts finished
                     sequences and frees their blocks
 
@@ -77,6 +78,12 @@ class EngineConfig:
     # None: on for CUDA with attention="triton", off otherwise. True on a CPU runs the same
     # runner eagerly (a CPU has no graphs), through its static buffers and bucket padding.
     cuda_graphs: bool | None = None
+    # Speculative decoding by prompt lookup (minicb/speculative.py, chapter 11): a decoding
+    # request whose last `speculative_ngram` tokens appeared earlier in its context proposes
+    # the (up to) `num_speculative_tokens` tokens that followed, and one forward verifies them.
+    # None: off. Greedy outputs are the same either way; sampled ones keep their distribution.
+    speculative_ngram: int | None = None
+    num_speculative_tokens: int = 4
 
 
 class NewToken(NamedTuple):
@@ -120,9 +127,13 @@ class Engine:
         self.Sequence = scheduling.Sequence
         Scheduler = (impl.load("chunked_prefill").ChunkedScheduler if ec.enable_chunked_prefill
                      else scheduling.Scheduler)
+        Speculator = impl.load("speculative").Speculator
+        Speculator(1, ec.num_speculative_tokens)  # refuse a bad k even while speculation is off
+        self.speculator = (None if ec.speculative_ngram is None
+                           else Speculator(ec.speculative_ngram, ec.num_speculative_tokens))
         self.scheduler = Scheduler(
             allocator, ec.max_num_seqs, cfg.max_position_embeddings, cfg.eos_token_ids,
-            ec.max_num_batched_tokens, ec.watermark)
+            ec.max_num_batched_tokens, ec.watermark, self.speculator)
         self.allocator = allocator
         # The runner: eager, or chapter 10's, which replays decode-only steps from CUDA
         # graphs. With it the pool has one block more than the allocator hands out:
@@ -202,8 +213,8 @@ class Engine:
         seqs = out.sequences  # decodes first, then prefills
         # Who computed what where, read before postprocess frees the finished ones' slots.
         # (Admitted requests start at num_computed_tokens = their cached prefix.)
-        work = [(s.request_id, s.slot, "decode" if i < len(out.decodes) else "prefill", out.num_new_tokens(s),
-                 s.num_computed_tokens) for i, s in enumerate(seqs)]
+        work = [(s.request_id, s.slot, "decode" if s.is_decoding else "prefill", out.num_new_tokens(s),
+                 s.num_computed_tokens) for s in seqs]
         sampled: list[list[int]] = [[] for _ in seqs]
         if seqs:
             logits = self.runner(prepare(out, self.allocator))  # 2. prepare, 3. forward: [S, V]
@@ -215,11 +226,8 @@ class Engine:
         for seq in finished:
             del self.requests[seq.request_id]  # handed out below; the engine keeps nothing
         result = StepOutput(finished=finished)
-        for seq, tokens in zip(seqs, sampled):
-            # A request that forked now sampled its completions' first tokens in completion order.
-            for completion, token in enumerate(tokens, start=seq.completion):
-                result.new_tokens.append(NewToken(seq.owner_id, completion, token))
-        for seq in [s for s, tokens in zip(seqs, sampled) if tokens] + out.forked:
+        for seq, token in out.new_tokens:  # what postprocess appended, a speculating request's run in order
+            result.new_tokens.append(NewToken(seq.owner_id, seq.completion, token))
             seq.token_times.append(now)  # for inter-token latency
         self.num_steps += 1
         if self.traces.maxlen != 0:
@@ -228,25 +236,36 @@ class Engine:
         return result
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[list[int]]:
-        """The tokens of each scheduled sequence (out.sequences order), from logits [S, V], one row each.
+        """The tokens of each scheduled sequence (out.sequences order), from logits [R, V] (batch.logits_rows).
 
         A sequence that computed its last token gets one token, from its own
         generator; a request with n > 1 completions that has not forked yet gets n,
         all from its row, each from its completion's generator. A chunk of a
         longer prompt (chapter 08) gets none: its last row predicts a prompt token.
+        A request verifying k drafts has k + 1 rows, and gets what the speculator
+        accepts of them plus one more token (chapter 11).
         """
-        rows, params, generators, counts = [], [], [], []
-        for row, seq in enumerate(out.sequences):
+        rows, params, generators, counts, verified = [], [], [], [], {}
+        row = 0
+        for i, seq in enumerate(out.sequences):
+            drafts = out.drafts(seq)
+            if drafts:
+                verified[i] = self.speculator.verify(logits[row:row + len(drafts) + 1], drafts, seq.params,
+                                                     seq.generator)
+                row += len(drafts) + 1
+                counts.append(0)
+                continue
             done = seq.num_computed_tokens + out.num_new_tokens(seq) == seq.num_tokens
             completions = [seq.generator] + seq.sibling_generators if done else []
             rows += [row] * len(completions)
             params += [seq.params] * len(completions)
             generators += completions
             counts.append(len(completions))
+            row += 1
         tokens = sample(logits[rows], params, generators) if rows else []
         sampled, start = [], 0
-        for count in counts:
-            sampled.append(tokens[start:start + count])
+        for i, count in enumerate(counts):
+            sampled.append(verified.get(i, tokens[start:start + count]))
             start += count
         return sampled
 
@@ -270,8 +289,9 @@ class Engine:
             block_owners=self.allocator.block_owners(),
             num_tokens=num_tokens, num_useful_tokens=num_tokens,  # no padding, no idle rows
             time_s=seconds,
-            new_tokens=[(seq.request_id, tokens[0]) for seq, tokens in zip(out.sequences, sampled) if tokens]
-                       + [(seq.request_id, seq.output_token_ids[0]) for seq in out.forked],
+            new_tokens=[(seq.request_id, token) for seq, token in out.new_tokens],
+            speculation=[(seq.request_id, out.drafts(seq), len(tokens) - 1, tokens[-1])
+                         for seq, tokens in zip(out.sequences, sampled) if out.drafts(seq)],
             cached_free_blocks=self.allocator.cached_free_blocks(),
             shared_blocks=sorted(block for block, count in holders.items() if count > 1),
             cached_tokens=[(request_id, cached) for request_id, _, _, _, cached in work if request_id in admitted],

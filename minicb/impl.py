@@ -50,6 +50,7 @@ CHAPTERS: dict[str, tuple[int, str]] = {
     "chunked_prefill": (8, "08-chunked-prefill"),
     "serve.loop": (9, "09-serving"),  # a module in a package: minicb.serve.loop
     "cuda_graphs": (10, "10-the-gpu-step"),
+    "speculative": (11, "11-speculative-decoding"),
 }
 
 

@@ -23,6 +23,10 @@ whose first 4 tokens are computed (block_size 4):
     positions      [  7   5 |  4  5  6 ]        context_lens   [8, 6, 7]
     slot_mapping   [ 3*4+3, 9*4+1 | 5*4+0, 5*4+1, 5*4+2 ]   (block * block_size + offset)
     block_tables   [[0, 3], [2, 9], [4, 5]]     num_decodes    2
+    logits_rows    [0, 1, 4]                    (each sequence's last new token)
+
+A request verifying k draft tokens (chapter 11) computes its newest token and
+the drafts, and gets logits at all k + 1 of them.
 """
 from __future__ import annotations
 
@@ -47,6 +51,9 @@ class StepBatch:
     num_new_tokens: list[int]  # per sequence: how many new tokens
     num_decodes: int  # the first num_decodes sequences compute exactly 1 token
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write, before the forward
+    # [R] where in token_ids the logits are wanted: each sequence's last new token, and for a
+    # request verifying k drafts (chapter 11) its last k + 1, so R = num_seqs + all drafts.
+    logits_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -61,13 +68,16 @@ def prepare(out, allocator) -> StepBatch:
     """The StepBatch of a SchedulerOutput: its sequences in batch order (decodes first).
 
     Sequence `seq` computes positions [seq.num_computed_tokens, + out.num_new_tokens(seq)):
-    the uncached part of a prompt, a chunk of it, or the newest token of a decode.
+    the uncached part of a prompt, a chunk of it, or the newest token of a decode
+    followed by its drafts (chapter 11).
     """
     batch = StepBatch([], [], [], [], [], [], len(out.decodes), list(out.block_copies))
     for seq in out.sequences:
         start = seq.num_computed_tokens
         end = start + out.num_new_tokens(seq)
-        batch.token_ids += seq.token_ids[start:end]
+        drafts = out.drafts(seq)
+        batch.token_ids += (seq.token_ids + drafts)[start:end]
+        batch.logits_rows += range(len(batch.token_ids) - 1 - len(drafts), len(batch.token_ids))
         batch.positions += range(start, end)
         batch.slot_mapping += allocator.slot_mapping(seq.request_id, start, end)
         batch.block_tables.append(allocator.block_table(seq.request_id))
@@ -83,16 +93,18 @@ class ModelRunner:
         self.model, self.pool, self.kernels = model, pool, kernels
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
-        """-> logits [num_seqs, vocab]: each sequence's last new token's."""
+        """-> logits [R, vocab]: each sequence's last new token's, and a speculating one's drafts' (batch.logits_rows)."""
         for src, dst in batch.block_copies:  # copy-on-write of shared blocks, before anything writes
             self.pool.copy_block(src, dst)
         return self.forward(batch)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
+        """-> logits [R, vocab], one row for each of batch.logits_rows."""
         device = self.model.device
         meta = AttentionMetadata.build(batch.block_tables, batch.context_lens, batch.num_new_tokens,
                                        batch.slot_mapping, batch.num_decodes, device)
         attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
         input_ids = torch.tensor([batch.token_ids], device=device)  # [1, N]
         positions = torch.tensor([batch.positions], device=device)  # [1, N]
-        return self.model(input_ids, positions, attention, logits_at=meta.last_token_index())[0]  # [S, V]
+        logits_at = torch.tensor([batch.logits_rows], device=device)  # [1, R]
+        return self.model(input_ids, positions, attention, logits_at=logits_at)[0]  # [R, V]

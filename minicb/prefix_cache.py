@@ -286,21 +286,20 @@ class CachingBlockAllocator(BlockAllocator):
 
     # ---- freeing: cached blocks stay, evictable ------------------------------------------
 
-    def free(self, seq_id: int) -> None:
-        """Drop `seq_id`. Blocks nobody holds any more: cached ones become evictable, the rest plain free."""
-        table = self._lookup(seq_id)
-        # Tail first, as in chapter 03: the LRU then evicts a request's last
-        # blocks before its first ones, which more requests are likely to share.
-        for block in reversed(table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                key = self._key_of_block.get(block)
-                if key is None:
-                    self._free.append(block)
-                else:
-                    self._evictable[block] = key  # at the back: the most recently freed
-        del self._block_tables[seq_id]
-        del self._num_tokens[seq_id]
+    def _drop(self, block: int) -> None:
+        """One holder fewer for `block`; with none left it is evictable if it has a key, else plain free.
+
+        Chapter 03's free() calls this for each of a sequence's blocks, tail first:
+        the LRU then evicts a request's last blocks before its first ones, which
+        more requests are likely to share. truncate() (chapter 11) calls it too.
+        """
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            key = self._key_of_block.get(block)
+            if key is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = key  # at the back: the most recently freed
 
     # ---- queries (cheap, for tests and pictures) -----------------------------------------
 

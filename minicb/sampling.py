@@ -76,6 +76,17 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: temperature, then top-k and top-p. [..., V] -> [..., V].
+
+    Not for greedy params (temperature 0). Chapter 11's rejection sampler
+    verifies drafts against exactly this distribution.
+    """
+    rows = logits.reshape(-1, logits.shape[-1]) / params.temperature
+    filtered = torch.stack([filter_logits(row, params.top_k, params.top_p) for row in rows])
+    return filtered.softmax(-1).reshape(logits.shape)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """One token per row. logits [B, V] (fp32); params and generators have B entries."""
@@ -84,9 +95,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for row, (p, g) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
-        row_logits = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
-        probs = row_logits.softmax(-1)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=g).item())
+        tokens[row] = int(torch.multinomial(probabilities(logits[row], p), 1, generator=g).item())
     return tokens
 
 

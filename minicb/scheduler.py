@@ -87,6 +87,10 @@ class Sequence:
     generator: torch.Generator | None = None  # its own torch.Generator for seeded sampling (None: greedy or unseeded)
     # Parallel sampling: the generators of completions 1 .. n - 1, kept here until they are forked.
     sibling_generators: list = field(default_factory=list)
+    # Speculative decoding (chapter 11): draft tokens proposed, and how many of them the model accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_decode_steps: int = 0  # steps in which it decoded (with drafts or without)
 
     @property
     def token_ids(self) -> list[int]:
@@ -124,7 +128,12 @@ class SchedulerOutput:
     admitted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies
-    forked: list[Sequence] = field(default_factory=list)  # completions born in postprocess (n > 1)
+    # Chapter 11: request_id -> the draft tokens a decoding request verifies this step. It
+    # computes its newest token and these (num_scheduled = 1 + len(drafts)), so it sits in prefills.
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Filled by postprocess:
+    forked: list[Sequence] = field(default_factory=list)  # completions born this step (n > 1)
+    new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)  # every token appended, in batch order
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -134,6 +143,10 @@ class SchedulerOutput:
         """Tokens `seq` computes this step."""
         return self.num_scheduled[seq.request_id]
 
+    def drafts(self, seq: Sequence) -> list[int]:
+        """The draft tokens `seq` verifies this step ([] for all but speculating decodes)."""
+        return self.draft_token_ids.get(seq.request_id, [])
+
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled
@@ -141,7 +154,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_model_len: int,
-                 eos_token_ids: list[int], max_num_batched_tokens: int = 2048, watermark: float = 0.01):
+                 eos_token_ids: list[int], max_num_batched_tokens: int = 2048, watermark: float = 0.01,
+                 speculator=None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}; it must be >= 1")
         if max_num_batched_tokens < 1:
@@ -158,6 +172,13 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.slots: list[Sequence | None] = [None] * max_num_seqs
         self._ids = itertools.count()  # request ids: add_request's and forked completions' alike
+        # Chapter 11 (minicb/speculative.py): proposes drafts for decoding requests and rolls
+        # back the rejected ones. None: no speculation, every decode computes 1 token.
+        self.speculator = speculator
+        if speculator is not None and 1 + speculator.k > max_num_batched_tokens:
+            raise ValueError(f"num_speculative_tokens={speculator.k}: a request verifying them computes "
+                             f"{1 + speculator.k} tokens in a step, more than max_num_batched_tokens="
+                             f"{max_num_batched_tokens}; lower it or raise the budget")
 
     def new_request_id(self) -> int:
         return next(self._ids)
@@ -232,15 +253,30 @@ class Scheduler:
         """
         decoding = [seq for seq in self.running if seq.is_decoding]
         prefilling = [seq for seq in self.running if not seq.is_decoding]
-        for seq in decoding + prefilling:
+        for i, seq in enumerate(decoding + prefilling):
             if seq.status != RequestStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older request
-            num_new = self.tokens_to_compute(seq.num_tokens - seq.num_computed_tokens, budget, out.is_empty)
+            # Chapter 11: a decode may bring drafts to verify, paid from budget that the
+            # decodes after it do not need (each of them needs 1 token).
+            drafts = self.propose(seq, budget - (len(decoding) - i - 1)) if i < len(decoding) else []
+            num_new = self.tokens_to_compute(seq.num_tokens - seq.num_computed_tokens + len(drafts), budget,
+                                             out.is_empty)
             if num_new == 0 or not self.grow(seq, seq.num_computed_tokens + num_new, out):
                 continue  # waits for budget, or was itself the newest and gave its blocks up
+            if drafts:
+                out.draft_token_ids[seq.request_id] = drafts[:num_new - 1]
             self.put(seq, num_new, out)
             budget -= num_new
         return budget
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Chapter 11: draft tokens for a decoding request, none past its max_tokens, its context or `budget - 1`."""
+        if self.speculator is None:
+            return []
+        max_drafts = min(budget - 1,
+                         seq.params.max_tokens - len(seq.output_token_ids) - 1,  # the step adds drafts + 1
+                         self.max_model_len - seq.num_tokens)  # the last draft's position must exist
+        return self.speculator.propose(seq.token_ids, max_drafts)
 
     def admit(self, out: SchedulerOutput, budget: int) -> None:
         """Move requests from the front of the queue into free slots while slots, blocks and budget last."""
@@ -284,20 +320,33 @@ class Scheduler:
         """
         finished = []
         for seq, tokens in zip(out.sequences, sampled):
+            if seq.is_decoding:
+                seq.num_decode_steps += 1
             seq.num_computed_tokens += out.num_new_tokens(seq)  # everything fed this step is now cached
             if not tokens:
                 continue  # a chunk of a longer prompt (chapter 08): its last logits predict a prompt token
-            completions = [seq] + self.fork(seq, len(tokens) - 1, out)
-            for completion, token in zip(completions, tokens):
-                completion.output_token_ids.append(token)
-                if completion.first_token_time is None:
-                    completion.first_token_time = now
-                reason = finish_reason(token, len(completion.output_token_ids), completion.params,
-                                       self.eos_token_ids, completion.num_tokens, self.max_model_len)
-                if reason:
-                    completion.finish_time = now
-                    self.finish(completion, reason)
-                    finished.append(completion)
+            drafts = out.drafts(seq)
+            if drafts:  # chapter 11: the accepted drafts and one more token, all for this completion
+                num_accepted = len(tokens) - 1
+                seq.num_draft_tokens += len(drafts)
+                seq.num_accepted_tokens += num_accepted
+                self.speculator.rollback(self.allocator, seq, len(drafts) - num_accepted)
+                runs = [(seq, tokens)]
+            else:  # one token, or one for each of n completions that fork now
+                runs = [(c, [t]) for c, t in zip([seq] + self.fork(seq, len(tokens) - 1, out), tokens)]
+            for completion, run in runs:
+                for token in run:
+                    completion.output_token_ids.append(token)
+                    out.new_tokens.append((completion, token))
+                    if completion.first_token_time is None:
+                        completion.first_token_time = now
+                    reason = finish_reason(token, len(completion.output_token_ids), completion.params,
+                                           self.eos_token_ids, completion.num_tokens, self.max_model_len)
+                    if reason:  # accepted drafts after a stop token are dropped with it
+                        completion.finish_time = now
+                        self.finish(completion, reason)
+                        finished.append(completion)
+                        break
         return finished
 
     # ---- the helpers of one step ----------------------------------------------------------
@@ -326,8 +375,9 @@ class Scheduler:
         return True
 
     def put(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        """Schedule `num_new` tokens of `seq` in this step."""
-        (out.decodes if seq.is_decoding else out.prefills).append(seq)
+        """Schedule `num_new` tokens of `seq` in this step (a decode's drafts are already in out)."""
+        # A decode verifying drafts computes several tokens: it goes with the prefills.
+        (out.decodes if seq.is_decoding and num_new == 1 else out.prefills).append(seq)
         out.num_scheduled[seq.request_id] = num_new
         # Chapter 07: the full blocks whose tokens are all computed by the end of this
         # step get their keys now, so a request admitted later in this same step

@@ -52,6 +52,9 @@ class StepTrace:
     # The scheduler's token budget (max_num_batched_tokens): what one step may compute.
     # 0 = none or unknown (the static engines, traces from before it was recorded).
     token_budget: int = 0
+    # Speculative decoding (chapter 11): (request_id, draft tokens it verified, how many of them the
+    # model accepted, the token it added after them: the correction, or the bonus if all were accepted).
+    speculation: list[tuple[int, list[int], int, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,6 +66,7 @@ class StepTrace:
         d["finished"] = [tuple(f) for f in d["finished"]]
         d["new_tokens"] = [tuple(t) for t in d.get("new_tokens", [])]
         d["cached_tokens"] = [tuple(t) for t in d.get("cached_tokens", [])]
+        d["speculation"] = [tuple(t) for t in d.get("speculation", [])]
         return StepTrace(**d)
 
 
