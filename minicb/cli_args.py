@@ -38,3 +38,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="torch", choices=["torch", "triton"])
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="share computed prompt blocks between requests that start alike")
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Add chapter 11's --speculative-ngram and --num-speculative-tokens (EngineConfig's fields)."""
+    p.add_argument("--speculative-ngram", type=int, default=None, metavar="N",
+                   help="speculative decoding by prompt lookup: find a request's last N tokens earlier in its "
+                        "context and propose the tokens that followed (default: off; bench's minicb-spec uses 3)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="speculative decoding: draft tokens proposed and verified per step at most (default 4)")

@@ -31,6 +31,22 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (enable_prefix_caching)
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled, like the others
+    # Speculative decoding (speculative_ngram): draft tokens proposed and accepted, and the decode
+    # steps it took (each yields 1 token, plus the drafts it accepted).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_decode_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts / proposed drafts; None if none were proposed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Output tokens per decode step (1.0 without speculation); None before any decode step."""
+        return (self.num_decode_steps + self.num_accepted_tokens) / self.num_decode_steps if self.num_decode_steps \
+            else None
 
     @property
     def inter_token_latencies(self) -> list[float]:
@@ -83,7 +99,8 @@ class LLM:
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 32,
                  attention: str = "torch", max_num_batched_tokens: int = 4096,
                  keep_traces: int | None = None, enable_prefix_caching: bool = False,
-                 enable_chunked_prefill: bool = False, cuda_graphs: bool | None = None):
+                 enable_chunked_prefill: bool = False, cuda_graphs: bool | None = None,
+                 speculative_ngram: int | None = None, num_speculative_tokens: int = 4):
         """model: None for the embedded SmolLM2, a .gguf file, or an HF checkpoint directory.
         device: None for cuda when available, else cpu.
         keep_traces: the StepTraces of each call to keep in `llm.traces` for the pictures:
@@ -93,7 +110,11 @@ class LLM:
         enable_chunked_prefill: cut long prompts into chunks so that no step computes more
         than max_num_batched_tokens tokens (minicb/chunked_prefill.py).
         cuda_graphs: replay decode-only steps from CUDA graphs (minicb/cuda_graphs.py); None
-        turns them on for CUDA with attention="triton"; a CPU has none."""
+        turns them on for CUDA with attention="triton"; a CPU has none.
+        speculative_ngram, num_speculative_tokens: speculative decoding by prompt lookup
+        (minicb/speculative.py): a decoding request proposes up to num_speculative_tokens
+        tokens that followed an earlier occurrence of its last speculative_ngram tokens,
+        and one forward verifies them. None (the default) turns it off."""
         from minicb.tokenizer import load_tokenizer
         from minicb.weights import load_model
 
@@ -108,7 +129,8 @@ class LLM:
             block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs, attention=attention,
             max_num_batched_tokens=max_num_batched_tokens, keep_traces=keep_traces,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            cuda_graphs=cuda_graphs))
+            cuda_graphs=cuda_graphs, speculative_ngram=speculative_ngram,
+            num_speculative_tokens=num_speculative_tokens))
 
     @classmethod
     def from_model(cls, net: Model, tokenizer=None, **engine_config) -> "LLM":
@@ -246,6 +268,7 @@ class LLM:
             text=outputs[0].text, finish_reason=outputs[0].finish_reason,
             metrics=RequestMetrics(rel(first.arrival_time), rel(first.first_token_time), rel(first.finish_time),
                                    first.num_preemptions, first.num_cached_tokens,
-                                   [t - start for t in first.token_times]),
+                                   [t - start for t in first.token_times], first.num_draft_tokens,
+                                   first.num_accepted_tokens, first.num_decode_steps),
             outputs=outputs,
         )

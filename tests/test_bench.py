@@ -6,6 +6,7 @@ own counters are the oracle for the static-batch token count.
 """
 import json
 import math
+import random
 import time
 
 import numba
@@ -271,6 +272,8 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
     assert rows["minicb-naive"]["same_as_continuous"] == rows["minicb-static"]["same_as_continuous"] == 3
     assert rows["minicb-prefix-cache"]["same_as_continuous"] == 3, "prefix caching must not change greedy tokens"
     assert rows["minicb-chunked"]["same_as_continuous"] == 3, "chunked prefill must not change greedy tokens"
+    assert rows["minicb-spec"]["same_as_continuous"] == 3, "speculative decoding must not change greedy tokens"
+    assert rows["minicb-spec"]["tokens_per_step"] >= 1 and rows["minicb-continuous"]["tokens_per_step"] == 1
     assert rows["minicb-chunked"]["itl_p99_s"] is not None and rows["hf-generate"]["itl_mean_s"] is not None
     # Random prompts share no prefix: the paged engines compute every prompt token, the
     # cache serves none, and engines that cannot see inside say n/a.
@@ -312,3 +315,18 @@ def test_long_prompt_requests_mix_long_documents_into_chat():
     assert long_ones == [3, 7], f"every 4th prompt should be 1,000+ tokens: lengths {lengths}"
     assert requests[3].prompt_ids != requests[7].prompt_ids, "the long prompts should differ"
     assert [r.max_tokens for r in requests] == [32, 32, 32, 16] * 2, "long prompts get 16 new tokens at most"
+
+
+def test_repeat_requests_ask_to_copy_their_text():
+    from minicb.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    requests = workloads.repeat_requests(tokenizer, 8, max_tokens=32, seed=0)
+    texts = [tokenizer.decode(r.prompt_ids) for r in requests]
+    for i, text in enumerate(texts):
+        task = workloads.REPEAT_TASKS[i % len(workloads.REPEAT_TASKS)].split("{")[0].strip()
+        assert task in text, f"request {i} should carry task {task!r}: {text[:200]!r}"
+    # Every task meets every passage, and the typo task's passage has typos in it.
+    assert len({tuple(r.prompt_ids) for r in requests}) == 8, "the 8 prompts should all differ"
+    assert not any(text in texts[0] for text in workloads.REPEAT_TEXTS), "the typo task's text should have typos"
+    assert workloads.add_typos("abcdef " * 50, random.Random(1)) != "abcdef " * 50

@@ -75,7 +75,7 @@ def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
                     "## Query-tile kernel", "## Engine benchmark"):
         assert heading in text, f"the report lacks {heading!r}:\n{text}"
     assert "dry run on a CPU" in text and " passed" in text
-    for engine in ("minicb-continuous", "minicb-eager", "hf-generate", "hf-generate-batch"):
+    for engine in ("minicb-continuous", "minicb-eager", "minicb-spec", "hf-generate", "hf-generate-batch"):
         assert f"| {engine} |" in text, f"the engine table lacks {engine}:\n{text}"
     assert "error:" not in text, text
     print(f"dry run of tools/gpu_check.sh: {seconds:.0f} s")

@@ -447,3 +447,24 @@ def test_metrics_count_cached_blocks_with_prefix_caching():
         text = client.get("/metrics").text
         assert metric(text, "minicb_kv_blocks_used") == 0
         assert metric(text, "minicb_kv_blocks_cached") >= 2
+
+
+def test_metrics_report_the_acceptance_rate_with_speculation():
+    with tiny_server(max_num_seqs=4, speculative_ngram=1, num_speculative_tokens=3) as (url, _), \
+            httpx.Client(base_url=url, timeout=20) as client:
+        before = metric(client.get("/metrics").text, "minicb_spec_acceptance_rate")
+        # A prompt that repeats itself: prompt lookup proposes drafts from its first decode step on.
+        reply = client.post("/v1/completions", json={"prompt": [5, 6, 7, 8] * 4, "max_tokens": 24})
+        assert reply.status_code == 200, reply.text
+        text = client.get("/metrics").text
+        drafts, accepted = metric(text, "minicb_spec_draft_tokens_total"), metric(text, "minicb_spec_accepted_tokens_total")
+        assert before == 0 and drafts > 0, f"acceptance rate {before} before any request; {drafts} drafts after"
+        assert metric(text, "minicb_spec_acceptance_rate") == pytest.approx(accepted / drafts), (accepted, drafts)
+
+
+def test_serve_takes_the_speculative_settings():
+    from minicb.serve.server import parse_args
+
+    args = parse_args(["--speculative-ngram", "2", "--num-speculative-tokens", "5"])
+    assert (args.speculative_ngram, args.num_speculative_tokens) == (2, 5)
+    assert parse_args([]).speculative_ngram is None, "speculation must be off by default"

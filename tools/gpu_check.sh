@@ -20,10 +20,12 @@
 #   4. graphs      decode steps at batch 32, eager vs CUDA graphs (python tools/cuda_graph_bench.py)
 #   5. model       SmolLM2's config and tokenizer from the bundle, random weights (tools/gpu_bundle.py)
 #   6. engine      the bench on that model in bf16, replaying the real model's answer lengths:
-#                  minicb continuous (graphs on, and off: minicb-eager) vs HF generate and
-#                  HF's continuous batching (python -m minicb bench --lengths-json ...)
+#                  minicb continuous (graphs on, and off: minicb-eager), with speculative
+#                  decoding (minicb-spec: random weights rarely repeat, so this is its cost
+#                  when drafts are few) vs HF generate and HF's continuous batching
+#                  (python -m minicb bench --lengths-json ...)
 #   7. report      build/gpu-report.md (tools/gpu_report.py)
-# Each part is time-limited (8 minutes in all at most), and a failing part is recorded
+# Each part is time-limited (8.5 minutes in all at most), and a failing part is recorded
 # without stopping the others; the script exits non-zero if any part failed.
 #
 # GPU_CHECK_DRY=1 takes every step on a CPU instead, with the Triton interpreter and tiny
@@ -106,9 +108,9 @@ run kernel 45 "$PY" -m minicb.triton_attention --batch 64 --ctx 4096 --dtype bfl
 run tile 45 "$PY" -m minicb.tile_attention --dtype bfloat16
 run graphs 45 "$PY" tools/cuda_graph_bench.py --seqs 32 --json "$OUT/graphs.json"
 run model 45 "$PY" tools/gpu_bundle.py model --bundle "$BUNDLE" --out "$OUT/model" "${model_args[@]}"
-run engine 150 "$PY" -m minicb bench --model "$OUT/model" --workload chat \
+run engine 180 "$PY" -m minicb bench --model "$OUT/model" --workload chat \
     --lengths-json "$BUNDLE/chat_output_lengths.json" --device "$device" --dtype bfloat16 --attention triton \
-    "${bench_size[@]}" --engines minicb-continuous,minicb-eager,hf-generate,hf-generate-batch \
+    "${bench_size[@]}" --engines minicb-continuous,minicb-eager,minicb-spec,hf-generate,hf-generate-batch \
     --out "$OUT/bench.json"
 rm -rf "$OUT/model"  # 0.5 GB of random weights: made again in seconds
 

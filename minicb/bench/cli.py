@@ -27,7 +27,7 @@ from minicb.bench.runners import (DEFAULT_ENGINES, ENGINES, check_minicb_agrees,
                                   minicb_batch_runner, run_hf_continuous, run_minicb_continuous,
                                   run_workload, serve_in_batches)
 from minicb.bench.workloads import WORKLOADS, Request, build_requests
-from minicb.cli_args import add_model_args
+from minicb.cli_args import add_model_args, add_speculative_args
 from minicb.cpu_attention import set_num_threads
 from minicb.llm import LLM
 
@@ -40,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--workload", default="chat", choices=[*WORKLOADS, "all"])
     ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                     help="comma-separated subset of " + ", ".join(ENGINES) + " (default: all but minicb-prefix-cache, "
-                         "minicb-chunked and minicb-eager)")
+                         "minicb-chunked, minicb-eager and minicb-spec)")
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=256, help="new tokens at most per request")
     ap.add_argument("--slots", type=int, default=32, help="minicb static batch size and continuous max_num_seqs")
@@ -51,6 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="poisson, shared-prefix and long-prompt workloads: requests per second (0: all at once)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256,
                     help="minicb-chunked: tokens a step computes at most (the token budget)")
+    add_speculative_args(ap)
     ap.add_argument("--random-max-prompt", type=int, default=256, help="random workload: longest prompt")
     ap.add_argument("--lengths-json", default=None,
                     help="chat workload: a JSON whose output_lengths[i] request i then generates exactly, EOS "
@@ -147,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
                                   block_size=args.block_size, num_blocks=num_blocks, enable_chunked_prefill=True,
                                   max_num_batched_tokens=args.max_num_batched_tokens)
 
+        def spec_llm():
+            return LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
+                                  block_size=args.block_size, num_blocks=num_blocks,
+                                  speculative_ngram=args.speculative_ngram or 3,
+                                  num_speculative_tokens=args.num_speculative_tokens)
+
         engines = {
             "minicb-naive": lambda reqs, arr, progress: serve_in_batches(
                 minicb_batch_runner(model, static=False), reqs, arr, 1, "minicb-naive", progress),
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "minicb-prefix-cache": lambda reqs, arr, progress: run_minicb_continuous(cached_llm(), reqs, arr, progress),
             "minicb-chunked": lambda reqs, arr, progress: run_minicb_continuous(chunked_llm(), reqs, arr, progress),
             "minicb-eager": lambda reqs, arr, progress: run_minicb_continuous(eager_llm, reqs, arr, progress),
+            "minicb-spec": lambda reqs, arr, progress: run_minicb_continuous(spec_llm(), reqs, arr, progress),
             "hf-generate": lambda reqs, arr, progress: serve_in_batches(
                 hf_batch_runner(hf("hf-generate"), eos_id), reqs, arr, args.hf_batch, "hf-generate", progress),
             "hf-generate-batch": lambda reqs, arr, progress: run_hf_continuous(

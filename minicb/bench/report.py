@@ -31,7 +31,7 @@ def markdown_table(rows: dict, num_requests: int) -> str:
     and an engine that failed gets its error in the second cell (every row keeps the same cells)."""
     header = ("| engine | out tok/s | req/s | latency mean | p50 | p99 | TTFT mean | TPOT mean | ITL mean | "
               "ITL p99 | slot util | "
-              "busy slots | KV waste | prefill computed | prefix hits | vs hf-generate | vs minicb-static | "
+              "busy slots | KV waste | prefill computed | prefix hits | tok/step | vs hf-generate | vs minicb-static | "
               "same as continuous |")
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for name, r in rows.items():
@@ -47,7 +47,7 @@ def markdown_table(rows: dict, num_requests: int) -> str:
             _fmt(r.get("itl_mean_s"), ".1f", " ms", 1000), _fmt(r.get("itl_p99_s"), ".1f", " ms", 1000),
             _fmt(r["utilisation"], ".0f", "%", 100), _fmt(r.get("busy_slots"), ".0f", "%", 100),
             _fmt(r["kv_waste_pct"], ".0f", "%"), _fmt(r.get("prefill_tokens"), ",.0f"),
-            _fmt(r.get("cache_hit_pct"), ".0f", "%"),
+            _fmt(r.get("cache_hit_pct"), ".0f", "%"), _fmt(r.get("tokens_per_step"), ".2f"),
             _fmt(r.get("speedup_vs_hf-generate"), ".2f", "x"), _fmt(r.get("speedup_vs_minicb-static"), ".2f", "x"),
             (same or "n/a") + " |"]))
     return "\n".join(lines)

@@ -27,6 +27,9 @@ The engines:
                        CUDA with --attention triton, minicb-continuous replays decode steps from
                        CUDA graphs (minicb/cuda_graphs.py), so the pair shows what graphs save;
                        on a CPU the two are the same engine. Not in the default set
+    minicb-spec        minicb-continuous with speculative decoding by prompt lookup (minicb/speculative.py,
+                       --speculative-ngram, default 3, and --num-speculative-tokens); not in the
+                       default set: name it, e.g. for --workload repeat
     hf-generate        transformers `generate()` on left-padded batches of --hf-batch
     hf-generate-batch  transformers' own continuous batching (the manager behind `generate_batch`)
 
@@ -55,8 +58,9 @@ from minicb.static_batching import run_static
 from minicb.viz import summarize
 
 ENGINES = ("minicb-naive", "minicb-static", "minicb-continuous", "minicb-prefix-cache", "minicb-chunked",
-           "minicb-eager", "hf-generate", "hf-generate-batch")
-DEFAULT_ENGINES = tuple(e for e in ENGINES if e not in ("minicb-prefix-cache", "minicb-chunked", "minicb-eager"))
+           "minicb-eager", "minicb-spec", "hf-generate", "hf-generate-batch")
+DEFAULT_ENGINES = tuple(e for e in ENGINES
+                        if e not in ("minicb-prefix-cache", "minicb-chunked", "minicb-eager", "minicb-spec"))
 
 
 # ----------------------------------------------------------------------------
@@ -98,6 +102,7 @@ class EngineResult:
     busy_slots: float | None = None  # slot-steps holding a live request / all slot-steps
     prefill_tokens: int | None = None  # prompt tokens the forwards computed (minicb's paged engines)
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache instead
+    tokens_per_step: float | None = None  # output tokens per decode step (above 1 only with speculation)
 
 
 def serve_in_batches(run_batch, requests: list[Request], arrivals: list[float] | None,
@@ -226,9 +231,12 @@ def run_minicb_continuous(llm, requests: list[Request], arrivals: list[float] | 
     reserved, used = paged_kv_at_peak(llm.traces, llm.engine.config.block_size)
     summary = summarize(llm.traces)
     prefill = sum(slot.num_tokens for t in llm.traces for slot in t.slots if slot.phase == "prefill")
+    decode_steps = sum(o.metrics.num_decode_steps for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
     return EngineResult([o.token_ids for o in outs], timings, summary["utilisation"], waste_pct(reserved, used),
                         1 - summary["idle_slot_steps"] / summary["slot_steps"], prefill,
-                        sum(o.metrics.num_cached_tokens for o in outs))
+                        sum(o.metrics.num_cached_tokens for o in outs),
+                        (decode_steps + accepted) / decode_steps if decode_steps else None)
 
 
 def run_hf_continuous(hf_model, requests: list[Request], arrivals: list[float] | None, eos_id: int,
@@ -310,7 +318,7 @@ def run_workload(engines: dict, requests: list[Request], arrivals: list[float] |
         prompt_tokens = sum(len(r.prompt_ids) for r in requests)
         rows[name] = {**summarize_timings(result.timings), "utilisation": result.utilisation,
                       "busy_slots": result.busy_slots, "kv_waste_pct": result.kv_waste_pct,
-                      "prefill_tokens": result.prefill_tokens,
+                      "prefill_tokens": result.prefill_tokens, "tokens_per_step": result.tokens_per_step,
                       "cache_hit_pct": (None if result.cached_tokens is None
                                         else 100 * result.cached_tokens / prompt_tokens)}
     # Ratios from this one run, so that machine noise affects numerator and denominator alike.

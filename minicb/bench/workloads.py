@@ -16,6 +16,9 @@ is prompt token ids, its own output budget, and whether EOS ends it:
              prompts' questions pasted together) arrive, one every few requests, at
              --rate: the traffic chunked prefill is for (compare minicb-continuous
              with minicb-chunked, and read the ITL p99).
+    repeat   requests whose answers copy spans of their prompts: fix the typos in a
+             paragraph, rewrite it, continue a list. The traffic prompt-lookup
+             speculative decoding is for (compare minicb-continuous with minicb-spec).
     --rate 0 makes poisson, shared-prefix and long-prompt arrive all at once.
 
 Each is seeded (--seed), so every engine sees exactly the same requests.
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 
 from minicb.sampling import SamplingParams
 
-WORKLOADS = ("chat", "random", "poisson", "shared-prefix", "long-prompt")
+WORKLOADS = ("chat", "random", "poisson", "shared-prefix", "long-prompt", "repeat")
 
 # The shared-prefix workload's system prompt: long, as deployed assistants' are.
 SYSTEM_PROMPT = (
@@ -116,6 +119,52 @@ def long_prompt_requests(tokenizer, num_prompts: int, max_tokens: int, every: in
     return requests
 
 
+# The repeat workload: tasks whose answers copy their text, over short passages.
+REPEAT_TASKS = (
+    "Fix the spelling mistakes in this text and write it out again:\n\n{typos}",
+    "Repeat this paragraph exactly:\n\n{text}",
+    "Rewrite this text, word for word:\n\n{text}",
+    "Here is a list. Write it out again, then add three more items like it:\n\n{numbered}",
+)
+REPEAT_TEXTS = (
+    "The engine keeps a queue of waiting requests and a fixed number of slots. Each step, it computes one new "
+    "token for every running request, and lets a waiting request into any slot that became free. A request "
+    "that finishes leaves at once, so no slot stays idle while work is waiting.",
+    "A river starts as rain on a hill. The water runs down into small streams, the streams meet and grow, and "
+    "after many miles the river reaches the sea. On the way it carries sand and stones, and it shapes the "
+    "valley it flows through.",
+    "To make bread, mix flour, water, salt and yeast into a dough. Knead it for ten minutes, then let it rise "
+    "in a warm place for an hour. Shape the loaf, let it rise again, and bake it in a hot oven until the crust "
+    "is brown and the bottom sounds hollow.",
+    "The library opens at nine in the morning and closes at six in the evening. Children can borrow five books "
+    "at a time, and adults can borrow ten. Books are due back after three weeks, and a book that comes back "
+    "late costs ten cents a day.",
+)
+
+
+def add_typos(text: str, rng: random.Random, every: int = 6) -> str:
+    """Swap two neighbouring letters in about one word in `every`."""
+    words = text.split(" ")
+    for i, word in enumerate(words):
+        if len(word) > 3 and rng.randrange(every) == 0:
+            j = rng.randrange(1, len(word) - 2)
+            words[i] = word[:j] + word[j + 1] + word[j] + word[j + 2:]
+    return " ".join(words)
+
+
+def repeat_requests(tokenizer, num_prompts: int, max_tokens: int, seed: int = 0) -> list[Request]:
+    """REPEAT_TASKS in turn, each over the next of REPEAT_TEXTS (typos seeded by `seed`)."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(num_prompts):
+        text = REPEAT_TEXTS[(i + i // len(REPEAT_TASKS)) % len(REPEAT_TEXTS)]  # every task meets every text
+        task = REPEAT_TASKS[i % len(REPEAT_TASKS)].format(
+            typos=add_typos(text, rng), text=text,
+            numbered="\n".join(f"{k + 1}. {line.strip()}." for k, line in enumerate(text.split(".")) if line.strip()))
+        requests.append(Request(tokenizer.apply_chat_template([{"role": "user", "content": task}]), max_tokens))
+    return requests
+
+
 def random_requests(vocab_size: int, num_prompts: int, max_tokens: int, max_prompt_len: int,
                     seed: int) -> list[Request]:
     """Uniform prompt lengths in [8, max_prompt_len]; output lengths lognormal with median
@@ -165,6 +214,10 @@ def build_requests(workload: str, args, tokenizer, vocab_size: int) -> tuple[lis
         shared = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
         description = (f"{len(requests)} chat prompts sharing their first {shared} tokens (the system prompt), every third a "
                        f"resent conversation; greedy, EOS or {args.max_tokens} tokens")
+    elif workload == "repeat":
+        requests = repeat_requests(tokenizer, args.num_prompts, args.max_tokens, args.seed)
+        description = (f"{len(requests)} prompts whose answers copy them (fix typos, rewrite, continue a list), "
+                       f"greedy, EOS or {args.max_tokens} tokens")
     elif workload == "long-prompt":
         requests = long_prompt_requests(tokenizer, args.num_prompts, args.max_tokens)
         longest = max(len(r.prompt_ids) for r in requests)

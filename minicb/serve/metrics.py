@@ -47,6 +47,14 @@ class ServerMetrics:
         self.generation_tokens = Counter("minicb_generation_tokens", "Output tokens generated.", registry=r)
         self.prompt_tokens = Counter("minicb_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.steps = Counter("minicb_engine_steps", "Engine steps run.", registry=r)
+        self.draft_tokens = Counter("minicb_spec_draft_tokens", "Speculative decoding: draft tokens verified.",
+                                    registry=r)
+        self.accepted_tokens = Counter("minicb_spec_accepted_tokens",
+                                       "Speculative decoding: draft tokens the model accepted.", registry=r)
+        self.num_drafts = self.num_accepted = 0  # the two counters' totals, for the rate
+        self.acceptance_rate = Gauge("minicb_spec_acceptance_rate",
+                                     "Speculative decoding: accepted / verified draft tokens so far (0 before any).",
+                                     registry=r)
         self.ttft = Histogram("minicb_time_to_first_token_seconds", "Arrival at the server to the first token.",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("minicb_inter_token_latency_seconds",
@@ -62,6 +70,13 @@ class ServerMetrics:
         """One step ran: count its tokens and finished sequences, observe the latencies."""
         self.steps.inc()
         self.generation_tokens.inc(len(out.new_tokens))
+        if out.trace is not None and out.trace.speculation:  # the server keeps each step's trace
+            drafts = sum(len(drafts) for _, drafts, _, _ in out.trace.speculation)
+            accepted = sum(accepted for _, _, accepted, _ in out.trace.speculation)
+            self.draft_tokens.inc(drafts)
+            self.accepted_tokens.inc(accepted)
+            self.num_drafts, self.num_accepted = self.num_drafts + drafts, self.num_accepted + accepted
+            self.acceptance_rate.set(self.num_accepted / self.num_drafts)
         for seq in out.finished:
             self.completions.labels(seq.finish_reason).inc()
         for seconds in ttfts:

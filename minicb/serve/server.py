@@ -72,7 +72,8 @@ def build_llm(args):
     return LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, attention=args.attention,
                max_num_batched_tokens=args.max_num_batched_tokens, keep_traces=1,
-               enable_prefix_caching=args.enable_prefix_caching)
+               enable_prefix_caching=args.enable_prefix_caching, speculative_ngram=args.speculative_ngram,
+               num_speculative_tokens=args.num_speculative_tokens)
 
 
 def make_server(app, host: str, port: int | None = None, shutdown_timeout: float = 10.0, log_level: str = "info"):
