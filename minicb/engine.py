@@ -236,7 +236,8 @@ class Engine:
         return result
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[list[int]]:
-        """The tokens of each scheduled sequence (out.sequences order), from logits [R, V] (batch.logits_rows).
+        """The tokens of each scheduled sequence (out.sequences order), from logits [R, V], one row each
+        (1 + k rows for a decode verifying k drafts: minicb/model_runner.py).
 
         A sequence that computed its last token gets one token, from its own
         generator; a request with n > 1 completions that has not forked yet gets n,

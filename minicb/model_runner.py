@@ -23,10 +23,14 @@ whose first 4 tokens are computed (block_size 4):
     positions      [  7   5 |  4  5  6 ]        context_lens   [8, 6, 7]
     slot_mapping   [ 3*4+3, 9*4+1 | 5*4+0, 5*4+1, 5*4+2 ]   (block * block_size + offset)
     block_tables   [[0, 3], [2, 9], [4, 5]]     num_decodes    2
-    logits_rows    [0, 1, 4]                    (each sequence's last new token)
 
-A request verifying k draft tokens (chapter 11) computes its newest token and
-the drafts, and gets logits at all k + 1 of them.
+A decode verifying k draft tokens (chapter 11) is k + 1 decode rows, one per
+token, each with the context up to its own position: the newest token a7 with
+drafts d8, d9 is rows (a7, context 8), (d8, 9), (d9, 10), all with a's block
+table. That is chapter 08's offset causal mask, written as one context length
+per row, and it is correct because every layer stores the step's K/V before
+any row attends. So verification runs on the decode kernels (and in the
+decode-only CUDA graphs), and every row's logits come back: [rows, vocab].
 """
 from __future__ import annotations
 
@@ -41,19 +45,19 @@ from minicb.paged_model import AttentionMetadata, PagedAttention
 
 @dataclass
 class StepBatch:
-    """One step's model inputs on the host. Sequence i's new tokens are the i-th run of token_ids."""
+    """One step's model inputs on the host. Row i's new tokens are the i-th run of token_ids.
 
-    token_ids: list[int]  # [N] every new token, sequence after sequence
+    A row is a sequence's new tokens, except that a decode verifying k drafts is k + 1 rows.
+    """
+
+    token_ids: list[int]  # [N] every new token, row after row
     positions: list[int]  # [N] each new token's position in its sequence
     slot_mapping: list[int]  # [N] the pool slot each new token's K/V goes to
-    block_tables: list[list[int]]  # per sequence: its physical blocks
-    context_lens: list[int]  # per sequence: tokens it attends over, its new ones included
-    num_new_tokens: list[int]  # per sequence: how many new tokens
-    num_decodes: int  # the first num_decodes sequences compute exactly 1 token
+    block_tables: list[list[int]]  # per row: its sequence's physical blocks
+    context_lens: list[int]  # per row: tokens it attends over, its new ones included
+    num_new_tokens: list[int]  # per row: how many new tokens
+    num_decodes: int  # the first num_decodes rows compute exactly 1 token (decodes; a verifying one is 1 + k rows)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write, before the forward
-    # [R] where in token_ids the logits are wanted: each sequence's last new token, and for a
-    # request verifying k drafts (chapter 11) its last k + 1, so R = num_seqs + all drafts.
-    logits_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -69,20 +73,24 @@ def prepare(out, allocator) -> StepBatch:
 
     Sequence `seq` computes positions [seq.num_computed_tokens, + out.num_new_tokens(seq)):
     the uncached part of a prompt, a chunk of it, or the newest token of a decode
-    followed by its drafts (chapter 11).
+    (then its drafts, one row each, chapter 11).
     """
-    batch = StepBatch([], [], [], [], [], [], len(out.decodes), list(out.block_copies))
+    num_decode_rows = sum(1 + len(out.drafts(seq)) for seq in out.decodes)
+    batch = StepBatch([], [], [], [], [], [], num_decode_rows, list(out.block_copies))
     for seq in out.sequences:
         start = seq.num_computed_tokens
         end = start + out.num_new_tokens(seq)
-        drafts = out.drafts(seq)
-        batch.token_ids += (seq.token_ids + drafts)[start:end]
-        batch.logits_rows += range(len(batch.token_ids) - 1 - len(drafts), len(batch.token_ids))
-        batch.positions += range(start, end)
-        batch.slot_mapping += allocator.slot_mapping(seq.request_id, start, end)
-        batch.block_tables.append(allocator.block_table(seq.request_id))
-        batch.context_lens.append(end)
-        batch.num_new_tokens.append(end - start)
+        tokens = (seq.token_ids + out.drafts(seq))[start:end]
+        slots = allocator.slot_mapping(seq.request_id, start, end)
+        table = allocator.block_table(seq.request_id)
+        rows = [(p, p + 1) for p in range(start, end)] if out.drafts(seq) else [(start, end)]
+        for row_start, row_end in rows:
+            batch.token_ids += tokens[row_start - start:row_end - start]
+            batch.positions += range(row_start, row_end)
+            batch.slot_mapping += slots[row_start - start:row_end - start]
+            batch.block_tables.append(list(table))
+            batch.context_lens.append(row_end)
+            batch.num_new_tokens.append(row_end - row_start)
     return batch
 
 
@@ -93,18 +101,16 @@ class ModelRunner:
         self.model, self.pool, self.kernels = model, pool, kernels
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
-        """-> logits [R, vocab]: each sequence's last new token's, and a speculating one's drafts' (batch.logits_rows)."""
+        """-> logits [num_seqs, vocab]: each row's last new token's (every token of a verifying decode's)."""
         for src, dst in batch.block_copies:  # copy-on-write of shared blocks, before anything writes
             self.pool.copy_block(src, dst)
         return self.forward(batch)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """-> logits [R, vocab], one row for each of batch.logits_rows."""
         device = self.model.device
         meta = AttentionMetadata.build(batch.block_tables, batch.context_lens, batch.num_new_tokens,
                                        batch.slot_mapping, batch.num_decodes, device)
         attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
         input_ids = torch.tensor([batch.token_ids], device=device)  # [1, N]
         positions = torch.tensor([batch.positions], device=device)  # [1, N]
-        logits_at = torch.tensor([batch.logits_rows], device=device)  # [1, R]
-        return self.model(input_ids, positions, attention, logits_at=logits_at)[0]  # [R, V]
+        return self.model(input_ids, positions, attention, logits_at=meta.last_token_index())[0]  # [S, V]

@@ -120,7 +120,7 @@ class Sequence:
 class SchedulerOutput:
     """What the engine computes this step. Decodes come first in the batch, then prefills."""
 
-    decodes: list[Sequence] = field(default_factory=list)  # their newest token: 1 each
+    decodes: list[Sequence] = field(default_factory=list)  # their newest token: 1 each (and drafts, chapter 11)
     prefills: list[Sequence] = field(default_factory=list)  # prompt tokens (prompt + outputs after a preemption)
     # request_id -> how many tokens it computes this step: positions
     # [num_computed_tokens, num_computed_tokens + this). Every scheduled sequence is here.
@@ -129,7 +129,7 @@ class SchedulerOutput:
     preempted: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies
     # Chapter 11: request_id -> the draft tokens a decoding request verifies this step. It
-    # computes its newest token and these (num_scheduled = 1 + len(drafts)), so it sits in prefills.
+    # computes its newest token and these: num_scheduled = 1 + len(drafts).
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Filled by postprocess:
     forked: list[Sequence] = field(default_factory=list)  # completions born this step (n > 1)
@@ -376,8 +376,7 @@ class Scheduler:
 
     def put(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         """Schedule `num_new` tokens of `seq` in this step (a decode's drafts are already in out)."""
-        # A decode verifying drafts computes several tokens: it goes with the prefills.
-        (out.decodes if seq.is_decoding and num_new == 1 else out.prefills).append(seq)
+        (out.decodes if seq.is_decoding else out.prefills).append(seq)
         out.num_scheduled[seq.request_id] = num_new
         # Chapter 07: the full blocks whose tokens are all computed by the end of this
         # step get their keys now, so a request admitted later in this same step

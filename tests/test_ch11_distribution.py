@@ -119,7 +119,8 @@ def redraw_from_p(target_probs, draft_token_ids, draft_probs, generator=None):
     return tokens
 
 
-@pytest.mark.task(2)  # it runs only given code: it shows the test above can fail
+@pytest.mark.slow  # it runs only given code (it shows that the test above can fail): not a student's quick loop
+@pytest.mark.task(2)
 def test_the_chi_square_catches_a_sampler_that_redraws_from_p():
     reference = impl.load("speculative")
 

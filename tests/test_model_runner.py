@@ -62,27 +62,28 @@ def test_prepare_builds_the_docstring_example():
     want = StepBatch(token_ids=[107, 205, 304, 305, 306], positions=[7, 5, 4, 5, 6],
                      slot_mapping=[3 * 4 + 3, 9 * 4 + 1, 5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2],
                      block_tables=[[0, 3], [2, 9], [4, 5]], context_lens=[8, 6, 7], num_new_tokens=[1, 1, 3],
-                     num_decodes=2, block_copies=[(1, 3)], logits_rows=[0, 1, 4])
+                     num_decodes=2, block_copies=[(1, 3)])
     wrong = differences(got, want)
     assert not wrong, "prepare() on the docstring's example:\n  " + "\n  ".join(wrong)
     assert allocator.asked == [(0, 7, 8), (1, 5, 6), (2, 4, 7)], f"slot ranges asked for: {allocator.asked}"
     assert (got.num_seqs, got.is_decode_only) == (3, False), (got.num_seqs, got.is_decode_only)
 
 
-def test_prepare_feeds_a_decode_its_drafts_and_asks_logits_at_each():
+def test_prepare_makes_a_decode_with_drafts_one_row_per_token():
     # Chapter 11: a (block_size 4, 8 tokens, newest at position 7) verifies drafts 901, 902
-    # after b's plain decode: 3 tokens at positions 7..9, logits at all three.
+    # beside b's plain decode: three decode rows at positions 7, 8, 9, each attending up to itself.
     a = sequence(0, [100 + p for p in range(8)], num_outputs=1, num_computed=7)
     b = sequence(1, [200 + p for p in range(6)], num_outputs=1, num_computed=5)
     allocator = TableAllocator({0: [0, 3, 6], 1: [2, 9]}, block_size=4)
-    out = SchedulerOutput(decodes=[b], prefills=[a], num_scheduled={0: 3, 1: 1}, draft_token_ids={0: [901, 902]})
+    out = SchedulerOutput(decodes=[a, b], num_scheduled={0: 3, 1: 1}, draft_token_ids={0: [901, 902]})
     got = prepare(out, allocator)
-    want = StepBatch(token_ids=[205, 107, 901, 902], positions=[5, 7, 8, 9],
-                     slot_mapping=[9 * 4 + 1, 3 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1],
-                     block_tables=[[2, 9], [0, 3, 6]], context_lens=[6, 10], num_new_tokens=[1, 3],
-                     num_decodes=1, logits_rows=[0, 1, 2, 3])
+    want = StepBatch(token_ids=[107, 901, 902, 205], positions=[7, 8, 9, 5],
+                     slot_mapping=[3 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1, 9 * 4 + 1],
+                     block_tables=[[0, 3, 6]] * 3 + [[2, 9]], context_lens=[8, 9, 10, 6], num_new_tokens=[1, 1, 1, 1],
+                     num_decodes=4)
     wrong = differences(got, want)
     assert not wrong, "prepare() with drafts:\n  " + "\n  ".join(wrong)
+    assert got.is_decode_only, "a step of decodes, drafts or not, is decode-only"
 
 
 def test_which_batches_are_decode_only():
