@@ -106,6 +106,7 @@ TASK_FUNCTIONS = {
     },
     "serve.loop": {1: ["group_step"], 2: ["take_commands", "apply_commands"]},
     "cuda_graphs": {1: ["batch_buckets", "smallest_bucket"], 2: ["pad_decode_inputs"]},
+    "speculative": {1: ["propose_ngram"], 2: ["accept_greedy", "rejection_sample"], 3: ["rollback"]},
 }
 
 

@@ -10,7 +10,7 @@ and t2 and t3 come from the rejection sampler (an accepted draft, a residual
 draw, or a bonus token). A chi-square test compares the counts with the exact
 distribution at significance 0.001.
 
-The second test shows that the first one can fail: the same run with a
+tests/test_speculative.py shows that this test can fail: the same run with a
 rejection sampler that draws from p instead of the residual max(0, p - q) after
 a rejection -- the bug that makes speculation lossy -- is rejected by a wide margin.
 """
@@ -21,7 +21,6 @@ import itertools
 import pytest
 import torch
 
-from minicb import impl
 from minicb.engine import Engine, EngineConfig
 from minicb.model import DenseAttention, random_model, tiny_config
 from minicb.sampling import SamplingParams
@@ -103,35 +102,3 @@ def test_speculation_keeps_the_three_token_distribution():
     assert p_value > ALPHA, (
         f"the tokens sampled with speculation do not follow the model's distribution: chi-square {statistic:.1f} "
         f"with {dof} degrees of freedom, p = {p_value:.2g} < {ALPHA}. Largest gaps: {worst_cells(counts, probs)}")
-
-
-def redraw_from_p(target_probs, draft_token_ids, draft_probs, generator=None):
-    """The classic bug: after a rejection, sample from p (the draft can come out again) instead of the residual."""
-    tokens = []
-    for i, x in enumerate(draft_token_ids):
-        p, q = target_probs[i], draft_probs[i]
-        if torch.rand((), generator=generator) * q[x] < p[x]:
-            tokens.append(x)
-            continue
-        tokens.append(int(torch.multinomial(p, 1, generator=generator)))
-        return tokens
-    tokens.append(int(torch.multinomial(target_probs[len(draft_token_ids)], 1, generator=generator)))
-    return tokens
-
-
-@pytest.mark.slow  # it runs only given code (it shows that the test above can fail): not a student's quick loop
-@pytest.mark.task(2)
-def test_the_chi_square_catches_a_sampler_that_redraws_from_p():
-    reference = impl.load("speculative")
-
-    class Lossy(reference.Speculator):
-        def verify(self, logits, draft_token_ids, params, generator):
-            from minicb.sampling import probabilities
-            target = probabilities(logits, params)
-            point_mass = torch.nn.functional.one_hot(torch.tensor(draft_token_ids), VOCAB).to(target.dtype)
-            return redraw_from_p(target, draft_token_ids, point_mass, generator)
-
-    counts, _, _ = sample_counts(Lossy(1, 1))
-    statistic, dof, p_value = chi_square(counts, exact_distribution())
-    assert p_value < 1e-6, (f"a lossy rejection sampler passed the chi-square (statistic {statistic:.1f}, {dof} "
-                            f"degrees of freedom, p = {p_value:.2g}): the distribution test has no power")

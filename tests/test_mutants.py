@@ -58,6 +58,9 @@ class DecodeGraphs(_reference.DecodeGraphs):
                                  self.pool.block_size, self.max_blocks)
 """
 
+# Chapter 11's given code, written again in the mutant's file so that it calls the mutated function.
+SPECULATOR_GIVEN = ("verify", "Speculator")
+
 MUTANTS = [
     # ---- chapter 01: naive generation
     Mutant(1, 1, "the no-cache loop samples from the first position's logits, not the last", "generate_no_cache",
@@ -144,7 +147,8 @@ MUTANTS = [
            [("del self._evictable[block]", "pass")]),
     Mutant(7, 3, "evict takes the most recently freed block", "CachingBlockAllocator.evict",
            [("self._evictable.popitem(last=False)", "self._evictable.popitem(last=True)")]),
-    Mutant(7, 3, "free sends cached blocks to the plain free list, losing the cache", "CachingBlockAllocator.free",
+    # (free drops each block through _drop, which truncate, chapter 11, shares: the bug sits there.)
+    Mutant(7, 3, "free sends cached blocks to the plain free list, losing the cache", "CachingBlockAllocator._drop",
            [("if key is None:", "if True:")]),
     Mutant(7, 4, "append writes into a shared partial block instead of copying it", "CachingBlockAllocator.append",
            [("elif self._ref_counts[table[-1]] > 1:", "elif False:")]),
@@ -174,6 +178,19 @@ MUTANTS = [
            [("sizes.add(max_num_seqs)", "pass")], DECODE_GRAPHS_SUBCLASS),
     Mutant(10, 2, "padding rows write their K/V into slot 0, a real sequence's block", "pad_decode_inputs",
            [("scratch_slot = scratch_block * block_size", "scratch_slot = 0")], DECODE_GRAPHS_SUBCLASS),
+    # ---- chapter 11: speculative decoding (verify and Speculator written again, so the engine calls the bug)
+    Mutant(11, 1, "prompt lookup takes the earliest match of the last n tokens, not the latest", "propose_ngram",
+           [("range(len(token_ids) - n - 1, -1, -1)", "range(len(token_ids) - n)")],
+           recompile=SPECULATOR_GIVEN),
+    Mutant(11, 2, "the residual step samples from p instead of max(0, p - q)", "rejection_sample",
+           [("residual = (p - q).clamp(min=0)", "residual = p")], recompile=SPECULATOR_GIVEN),
+    Mutant(11, 2, "greedy verification keeps checking drafts after the first mismatch", "accept_greedy",
+           [("            break\n", "            continue\n")], recompile=SPECULATOR_GIVEN),
+    Mutant(11, 2, "rejection sampling draws the bonus token from the first row, not the last", "rejection_sample",
+           [("target_probs[len(draft_token_ids)]", "target_probs[0]")], recompile=SPECULATOR_GIVEN),
+    Mutant(11, 3, "rollback steps the computed count back but keeps the rejected drafts' slots and blocks",
+           "rollback", [("allocator.truncate(seq.request_id, seq.num_computed_tokens)", "pass")],
+           recompile=SPECULATOR_GIVEN),
 ]
 
 
@@ -188,7 +205,10 @@ def mutant_source(mutant: Mutant) -> str:
         assert old in source, (f"chapter {mutant.chapter} mutant '{mutant.bug}': the reference's "
                                f"{mutant.target} no longer contains {old!r}; update the mutant")
         source = source.replace(old, new, 1)
-    lines = [f"import minicb.{module} as _reference",
+    # The reference's own source is compiled as its module compiles it: annotations postponed (every
+    # chapter module has the __future__ import), so a name imported only for type checking, such as
+    # chapter 11's BlockAllocator, does not break the definition.
+    lines = ["from __future__ import annotations", "", f"import minicb.{module} as _reference",
              "globals().update({k: v for k, v in vars(_reference).items() if not k.startswith('__')})", ""]
     if owner:
         lines += [f"class {owner}(_reference.{owner}):", textwrap.indent(source, "    ")]
@@ -202,6 +222,11 @@ def mutant_source(mutant: Mutant) -> str:
 def test_check_fails_the_mutant(mutant, tmp_path):
     path = tmp_path / f"mutant_ch{mutant.chapter}.py"
     path.write_text(mutant_source(mutant))
+    # A file that does not run fails every test too, which would prove nothing: it must load here first.
+    try:
+        impl.load_file(path, f"minicb_mutant_ch{mutant.chapter}", reload=True)
+    except Exception as error:
+        pytest.fail(f"the mutant file does not even run, so a failed grade proves nothing: {error!r}")
     # Only the mutated task's tests and the integration row, and -x: the first failure is
     # enough (and hypothesis' 10,000 cases would take a minute).
     report = check.run_tests(mutant.chapter, path, ["-m", "not slow", "-x", "-k", "not hypothesis"],
