@@ -45,6 +45,6 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     """Add chapter 11's --speculative-ngram and --num-speculative-tokens (EngineConfig's fields)."""
     p.add_argument("--speculative-ngram", type=int, default=None, metavar="N",
                    help="speculative decoding by prompt lookup: find a request's last N tokens earlier in its "
-                        "context and propose the tokens that followed (default: off; bench's minicb-spec uses 3)")
+                        "context and propose the tokens that followed (default: off; bench's minicb-spec uses 2)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="speculative decoding: draft tokens proposed and verified per step at most (default 4)")

@@ -215,6 +215,7 @@ class Engine:
         # (Admitted requests start at num_computed_tokens = their cached prefix.)
         work = [(s.request_id, s.slot, "decode" if s.is_decoding else "prefill", out.num_new_tokens(s),
                  s.num_computed_tokens) for s in seqs]
+        num_outputs = [len(s.output_token_ids) for s in seqs]  # what each had before this step
         sampled: list[list[int]] = [[] for _ in seqs]
         if seqs:
             logits = self.runner(prepare(out, self.allocator))  # 2. prepare, 3. forward: [S, V]
@@ -226,12 +227,20 @@ class Engine:
         for seq in finished:
             del self.requests[seq.request_id]  # handed out below; the engine keeps nothing
         result = StepOutput(finished=finished)
-        for seq, token in out.new_tokens:  # what postprocess appended, a speculating request's run in order
-            result.new_tokens.append(NewToken(seq.owner_id, seq.completion, token))
-            seq.token_times.append(now)  # for inter-token latency
+        # The tokens postprocess appended, in batch order: a speculating request's run in order,
+        # and a request that forked now in completion order (its completions' first tokens).
+        born = {}
+        for child in out.forked:
+            born.setdefault(child.parent_id, []).append(child)
+        appended = [(completion, token) for seq, before in zip(seqs, num_outputs)
+                    for completion in [seq] + born.get(seq.request_id, [])
+                    for token in completion.output_token_ids[before if completion is seq else 0:]]
+        for completion, token in appended:
+            result.new_tokens.append(NewToken(completion.owner_id, completion.completion, token))
+            completion.token_times.append(now)  # for inter-token latency
         self.num_steps += 1
         if self.traces.maxlen != 0:
-            result.trace = self._trace(out, work, sampled, result, time.perf_counter() - t0)
+            result.trace = self._trace(out, work, sampled, appended, result, time.perf_counter() - t0)
             self.traces.append(result.trace)
         return result
 
@@ -270,7 +279,7 @@ class Engine:
             start += count
         return sampled
 
-    def _trace(self, out, work, sampled, result: StepOutput, seconds: float) -> StepTrace:
+    def _trace(self, out, work, sampled, appended, result: StepOutput, seconds: float) -> StepTrace:
         slots = [SlotState(None, "empty", 0) for _ in range(self.config.max_num_seqs)]
         for request_id, slot, phase, num_tokens, _ in work:
             slots[slot] = SlotState(request_id, phase, num_tokens)
@@ -290,7 +299,7 @@ class Engine:
             block_owners=self.allocator.block_owners(),
             num_tokens=num_tokens, num_useful_tokens=num_tokens,  # no padding, no idle rows
             time_s=seconds,
-            new_tokens=[(seq.request_id, token) for seq, token in out.new_tokens],
+            new_tokens=[(seq.request_id, token) for seq, token in appended],
             speculation=[(seq.request_id, out.drafts(seq), len(tokens) - 1, tokens[-1])
                          for seq, tokens in zip(out.sequences, sampled) if out.drafts(seq)],
             cached_free_blocks=self.allocator.cached_free_blocks(),

@@ -131,9 +131,7 @@ class SchedulerOutput:
     # Chapter 11: request_id -> the draft tokens a decoding request verifies this step. It
     # computes its newest token and these: num_scheduled = 1 + len(drafts).
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    # Filled by postprocess:
-    forked: list[Sequence] = field(default_factory=list)  # completions born this step (n > 1)
-    new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)  # every token appended, in batch order
+    forked: list[Sequence] = field(default_factory=list)  # completions born in postprocess (n > 1)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -337,7 +335,6 @@ class Scheduler:
             for completion, run in runs:
                 for token in run:
                     completion.output_token_ids.append(token)
-                    out.new_tokens.append((completion, token))
                     if completion.first_token_time is None:
                         completion.first_token_time = now
                     reason = finish_reason(token, len(completion.output_token_ids), completion.params,

@@ -26,8 +26,8 @@ on, a seeded request draws its random numbers in another order (the rejection
 sampler's), so only that it ended properly is checked; chapter 11's
 distribution test holds its tokens to the model's distribution instead.
 Along the way: each completion's streamed tokens equal its final ones; after
-every step each decoding sequence holds exactly as many token slots as it has
-computed tokens (no slot of a rejected draft is kept), and with caching every
+every step each running sequence holds token slots for its computed tokens and
+none past its real tokens (no slot of a rejected draft is kept), and with caching every
 block key is the key of the sequence's own tokens (no key covers a draft);
 at the end every block is free and the engine holds nothing.
 """
@@ -143,15 +143,16 @@ def serve(config: dict, requests: list, aborts: bool = True):
 
 
 def check_blocks(engine: Engine) -> None:
-    """After a step: every decoding sequence holds a token slot for each computed token, no more,
-    and (with caching) each of its blocks with a key has the key of its own tokens there."""
+    """After a step: every running sequence holds token slots for its computed tokens and none past its
+    real tokens, and (with caching) each of its blocks with a key has the key of its own tokens there."""
     allocator, size = engine.allocator, engine.config.block_size
     for seq in engine.scheduler.running:
         held = allocator.num_tokens(seq.request_id)
-        # Admission holds slots for every prompt token at once; a decoding sequence holds what it computed.
-        want = range(seq.num_computed_tokens, (seq.num_computed_tokens if seq.is_decoding else seq.num_tokens) + 1)
-        assert held in want, (f"request {seq.request_id} holds {held} token slots; with {seq.num_computed_tokens} "
-                              f"of {seq.num_tokens} tokens computed it must hold {want.start}..{want.stop - 1}")
+        # Admission holds slots for every token at once (prompt, and outputs when re-admitted), and
+        # a rollback leaves slots for the computed tokens only: never a slot past the real tokens.
+        assert seq.num_computed_tokens <= held <= seq.num_tokens, (
+            f"request {seq.request_id} holds {held} token slots; with {seq.num_computed_tokens} of {seq.num_tokens} "
+            f"tokens computed it must hold {seq.num_computed_tokens}..{seq.num_tokens}")
         assert len(allocator.block_table(seq.request_id)) == allocator.blocks_needed(held), (
             f"request {seq.request_id} holds {len(allocator.block_table(seq.request_id))} blocks for {held} tokens")
         if engine.config.enable_prefix_caching:

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         def spec_llm():
             return LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
                                   block_size=args.block_size, num_blocks=num_blocks,
-                                  speculative_ngram=args.speculative_ngram or 3,
+                                  speculative_ngram=args.speculative_ngram or 2,
                                   num_speculative_tokens=args.num_speculative_tokens)
 
         engines = {

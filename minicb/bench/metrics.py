@@ -136,6 +136,8 @@ def paged_kv_at_peak(traces, block_size: int) -> tuple[int, int]:
         for slot in trace.slots:
             if slot.request_id is not None and slot.phase in ("prefill", "decode"):
                 cached[slot.request_id] = cached.get(slot.request_id, 0) + slot.num_tokens
+        for rid, drafts, accepted, _ in trace.speculation:  # rejected drafts were rolled back (chapter 11)
+            cached[rid] -= len(drafts) - accepted
         for rid, _ in trace.finished:
             cached.pop(rid, None)  # finished requests free their blocks in the same step
         reserved = (trace.num_blocks - trace.num_free_blocks) * block_size

@@ -28,7 +28,7 @@ The engines:
                        CUDA graphs (minicb/cuda_graphs.py), so the pair shows what graphs save;
                        on a CPU the two are the same engine. Not in the default set
     minicb-spec        minicb-continuous with speculative decoding by prompt lookup (minicb/speculative.py,
-                       --speculative-ngram, default 3, and --num-speculative-tokens); not in the
+                       --speculative-ngram, default 2, and --num-speculative-tokens); not in the
                        default set: name it, e.g. for --workload repeat
     hf-generate        transformers `generate()` on left-padded batches of --hf-batch
     hf-generate-batch  transformers' own continuous batching (the manager behind `generate_batch`)
