@@ -189,7 +189,7 @@ MUTANTS = [
     Mutant(11, 2, "rejection sampling draws the bonus token from the first row, not the last", "rejection_sample",
            [("target_probs[len(draft_token_ids)]", "target_probs[0]")], recompile=SPECULATOR_GIVEN),
     Mutant(11, 3, "rollback steps the computed count back but keeps the rejected drafts' slots and blocks",
-           "rollback", [("allocator.truncate(seq.request_id, seq.num_computed_tokens)", "pass")],
+           "rollback", [("allocator.truncate(seq.request_id, seq.num_computed_tokens - num_rejected)", "pass")],
            recompile=SPECULATOR_GIVEN),
 ]
 

@@ -453,8 +453,9 @@ def test_metrics_report_the_acceptance_rate_with_speculation():
     with tiny_server(max_num_seqs=4, speculative_ngram=1, num_speculative_tokens=3) as (url, _), \
             httpx.Client(base_url=url, timeout=20) as client:
         before = metric(client.get("/metrics").text, "minicb_spec_acceptance_rate")
-        # A prompt that repeats itself: prompt lookup proposes drafts from its first decode step on.
-        reply = client.post("/v1/completions", json={"prompt": [5, 6, 7, 8] * 4, "max_tokens": 24})
+        # Every token id is in the prompt, so whatever the model writes first, prompt lookup (n = 1)
+        # finds it earlier and proposes drafts at the first decode step.
+        reply = client.post("/v1/completions", json={"prompt": list(range(256)), "max_tokens": 24})
         assert reply.status_code == 200, reply.text
         text = client.get("/metrics").text
         drafts, accepted = metric(text, "minicb_spec_draft_tokens_total"), metric(text, "minicb_spec_accepted_tokens_total")
