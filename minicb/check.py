@@ -71,10 +71,16 @@ class Report:
 
 
 def _first_line(longrepr) -> str:
-    """The exception line of a pytest failure, e.g. 'AssertionError: seq 1: ...'."""
+    """What a pytest failure says, on one line, e.g. 'AssertionError: seq 1: ...'.
+
+    The exception's message keeps up to its first four lines: a `pytest.raises(match=...)`
+    that failed says "Regex pattern did not match." on the first and the pattern and
+    the actual message on the next two, and a student needs all three in one run.
+    """
     crash = getattr(longrepr, "reprcrash", None)
     if crash is not None and crash.message:
-        return crash.message.strip().splitlines()[0]
+        lines = [line.strip() for line in crash.message.strip().splitlines() if line.strip()]
+        return " ".join(lines[:4])
     if isinstance(longrepr, tuple):  # skips: (path, lineno, reason)
         return str(longrepr[-1])
     # Collection errors arrive as formatted text; pytest prefixes exception lines with "E".
@@ -223,24 +229,31 @@ def format_table(report: Report, width: int = 100) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minicb check",
                                      description="Run a chapter's tests against your exercise file, task by task.")
     parser.add_argument("chapter", type=int, help="chapter number, e.g. 3")
     parser.add_argument("--file", help="grade this file instead of chapters/NN-slug/exercise.py")
     parser.add_argument("-k", dest="keyword", help="only run tests whose names match this pytest -k expression")
+    parser.add_argument("-m", dest="markers",
+                        help='only run tests whose marks match this pytest -m expression: "not slow" leaves out '
+                             "the SmolLM2 tests, the quick loop")
     parser.add_argument("--task", action="append", dest="tasks", metavar="K",
                         help="only grade task K (a number, or 'all' for the integration row); repeatable")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show pytest's output and every failing test in full")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     try:
         module = impl.module_for_chapter(args.chapter)
         target = args.file or impl.exercise_path(module).relative_to(impl.ROOT)
         print(f"chapter {args.chapter} ({module}): grading {target}", flush=True)
-        report = run_tests(args.chapter, args.file, ["-k", args.keyword] if args.keyword else [], args.verbose,
-                           args.tasks)
+        pytest_args = (["-k", args.keyword] if args.keyword else []) + (["-m", args.markers] if args.markers else [])
+        report = run_tests(args.chapter, args.file, pytest_args, args.verbose, args.tasks)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

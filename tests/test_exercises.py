@@ -286,3 +286,39 @@ def test_grade_table_wraps_the_whole_first_failure_line():
     rows = table.splitlines()
     column = rows[0].index("first failure")
     assert " ".join(line[column:].strip() for line in rows[2:]) == message, f"the message was cut or garbled:\n{table}"
+
+
+def documented_check_commands() -> list[tuple[str, str]]:
+    """Every `python -m minicb check ...` a chapter text or the README shows: (where, arguments)."""
+    found = []
+    for text in [impl.ROOT / "README.md", *sorted((impl.ROOT / "chapters").glob("*/README.md"))]:
+        for number, line in enumerate(text.read_text().splitlines(), 1):
+            for match in re.finditer(r"python -m minicb check\b([^`#\n]*)", line):
+                found.append((f"{text.relative_to(impl.ROOT)}:{number}", match.group(1).strip()))
+    return found
+
+
+def test_every_documented_check_command_parses(capsys):
+    import shlex
+
+    commands = documented_check_commands()
+    assert len(commands) >= 12, f"found only {len(commands)} documented check commands; is the pattern stale?"
+    rejected = []
+    for where, arguments in commands:
+        words = ["3" if word == "N" else word for word in shlex.split(arguments)]  # N: any chapter
+        try:
+            check.build_parser().parse_args(words)
+        except SystemExit:
+            rejected.append(f"{where}: python -m minicb check {arguments}")
+    assert not rejected, "check's argument parser rejects these documented command lines:\n" + "\n".join(rejected)
+
+
+def test_a_failed_match_shows_the_pattern_and_the_message():
+    class Crash:
+        message = "AssertionError: Regex pattern did not match.\n  Regex: '5.*6'\n  Input: 'token_ids has 7 tokens'"
+
+    class Longrepr:
+        reprcrash = Crash()
+
+    line = check._first_line(Longrepr())
+    assert "Regex: '5.*6'" in line and "Input: 'token_ids has 7 tokens'" in line, line
