@@ -47,6 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--hf-batch", type=int, default=16, help="batch size of hf-generate")
     ap.add_argument("--block-size", type=int, default=16, help="KV block size (minicb) and page size (HF)")
     ap.add_argument("--attention", default="torch", choices=["torch", "triton"])
+    ap.add_argument("--unpacked", action="store_true",
+                    help="minicb engines: keep nn.Linear (torch's default BLAS) instead of oneDNN-packed weights "
+                         "on a CPU (minicb/packed_linear.py); for before/after comparisons")
     ap.add_argument("--rate", type=float, default=1.0,
                     help="poisson, shared-prefix and long-prompt workloads: requests per second (0: all at once)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256,
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from minicb.weights import load_model, resolve_checkpoint
 
     # minicb and HF load the very same checkpoint files (a GGUF is converted once and cached).
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, packed=not args.unpacked)
     try:
         tokenizer = load_tokenizer(args.model)
     except (OSError, ValueError):

@@ -1,0 +1,116 @@
+"""How close a decode step comes to its matmul floor: engine.step() against its linear layers alone.
+
+    .venv/bin/python tools/step_floor.py                       # 1, 8, 32 slots; 1 and 2 threads
+    .venv/bin/python tools/step_floor.py --slots 32 --threads 2 --profile
+
+A decode step of SmolLM2 reads every weight once: 30 layers of seven projections
+and the 576 x 49152 lm_head. The floor is what those matmuls cost alone, on N
+rows, with the model's own weights (`floor`: each linear module of the model,
+in order, on a random [1, N, in] input). The step is a whole decode-only
+`engine.step()` with N requests decoding: schedule, prepare, forward (attention,
+norms, rotary, the same matmuls), sample, postprocess. Their ratio says how much
+of a step is anything but matmul.
+
+Both are taken for the model as `load_model()` gives it (linear layers from
+oneDNN-packed weights, minicb/packed_linear.py) and for the same weights in
+plain `nn.Linear` (torch's default BLAS, MKL), all four in turns in one process
+so that load from other programs falls on each alike. Each figure is a median.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import profile
+
+from minicb.cpu_attention import set_num_threads
+from minicb.engine import Engine, EngineConfig
+from minicb.sampling import SamplingParams
+from minicb.weights import load_model
+
+
+def median_ms_in_turns(fns, rounds: int) -> list[float]:
+    """Run the functions in turns, `rounds` times each; the median milliseconds of each."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, ms in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            ms.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(ms) for ms in times]
+
+
+def linear_layers(model) -> list[torch.nn.Module]:
+    """Every linear module a decode step runs, in order (lm_head last)."""
+    return [m for name, m in model.named_modules() if hasattr(m, "weight") and m.weight.dim() == 2
+            and not name.endswith("embed_tokens")]
+
+
+def floor_fn(model, rows: int):
+    """The step's matmuls alone: each linear module on its own [1, rows, in] input."""
+    layers = linear_layers(model)
+    inputs = {n: torch.randn(1, rows, n) for n in {m.weight.shape[1] for m in layers}}
+
+    @torch.inference_mode()
+    def floor():
+        for m in layers:
+            m(inputs[m.weight.shape[1]])
+    return floor
+
+
+def decoding_engine(model, slots: int, context: int, steps: int) -> Engine:
+    """An engine with `slots` requests past their prefill, each with room for `steps` more decodes."""
+    gen = torch.Generator().manual_seed(0)
+    engine = Engine(model, EngineConfig(max_num_seqs=slots))
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    vocab = model.config.vocab_size
+    for i in range(slots):  # random ids past the first ones, which real vocabularies keep for special tokens
+        prompt = torch.randint(min(100, vocab // 2), vocab, (context + (i % 7) * 5,), generator=gen)
+        engine.add_request(prompt.tolist(), params)
+    engine.step()  # every prefill
+    for _ in range(2):
+        engine.step()  # warm up the decode path
+    return engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32], help="requests decoding together")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch (and Numba) threads")
+    ap.add_argument("--context", type=int, default=150, help="shortest prompt; others are up to 30 tokens longer")
+    ap.add_argument("--rounds", type=int, default=10, help="timed runs of each of the four, in turns")
+    ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of a step")
+    ap.add_argument("--rows", type=int, default=12, help="profiler rows to print")
+    args = ap.parse_args()
+
+    models = {"oneDNN packed": load_model(), "nn.Linear (MKL)": load_model(packed=False)}
+    print(f"decode step vs its matmul floor; median of {args.rounds} runs each, in turns\n")
+    print("| threads | slots | weights | step ms | floor ms | step / floor | step tok/s |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    profiled = None
+    for threads in args.threads:
+        set_num_threads(threads)
+        for slots in args.slots:
+            engines = {k: decoding_engine(m, slots, args.context, args.rounds + 2) for k, m in models.items()}
+            fns = []
+            for k in models:
+                fns += [engines[k].step, floor_fn(models[k], slots)]
+            ms = median_ms_in_turns(fns, args.rounds)
+            for i, k in enumerate(models):
+                step, floor = ms[2 * i], ms[2 * i + 1]
+                print(f"| {threads} | {slots} | {k} | {step:.1f} | {floor:.1f} | {step / floor:.2f} | "
+                      f"{slots / step * 1e3:.0f} |", flush=True)
+            profiled = (threads, slots, engines["oneDNN packed"])
+    if args.profile and profiled is not None:
+        threads, slots, engine = profiled
+        with profile() as prof:
+            for _ in range(2):
+                engine.step()
+        print(f"\ntop operators of engine.step(), oneDNN packed, {slots} slots, {threads} thread(s), 2 steps")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
