@@ -44,7 +44,7 @@ demo: setup
 # MINICB_BROWSER_CHECK=0 skips them).
 BROWSER_CHECK ?= $(or $(MINICB_BROWSER_CHECK),$(if $(wildcard /usr/bin/chromium),1,0))
 # minicb makes OpenMP threads sleep as soon as they wait (OMP_WAIT_POLICY=PASSIVE,
-# minicb/__init__.py), which keeps it fast beside other programs and costs 15-40%
+# minicb/__init__.py), which keeps it fast beside other programs and costs 20-30%
 # on an idle machine. The suite expects a machine of its own, so it lets libgomp
 # spin its usual 300000 rounds first (GOMP_SPINCOUNT outranks the policy); on a
 # busy laptop, `make test GOMP_SPINCOUNT=0`.

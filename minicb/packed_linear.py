@@ -3,12 +3,12 @@
 Every weight of the model is read once per decode step, so on a CPU a step costs
 about what its matmuls cost, and a matmul of a few rows is bound by how well the
 BLAS library handles a short, wide product. torch's CPU build sends `F.linear`
-to Intel MKL, which on this project's AMD machine takes a generic path: all the
-linear layers of a SmolLM2 step cost 55-70 ms at 1 row and 110-145 ms at 32 rows
-(`tools/step_floor.py`). oneDNN, which torch also ships, computes the same
-products from a weight it has first reordered into its own blocked layout, and
-the same layers then cost 35-50 ms and 65-70 ms: the weight is packed once here
-instead of being walked in its row-major layout at every call.
+to Intel MKL, which on this project's AMD machine takes a slow path for a few
+rows: all the linear layers of a SmolLM2 step cost 69 ms at 1 row and 157 ms at
+32 rows on 2 threads (`tools/step_floor.py`, README "The matmul floor").
+oneDNN, which torch also ships, computes the same products from a weight it has
+first reordered into its own blocked layout, and the same layers then cost 44
+and 77 ms: the weight is packed once here instead of at every call.
 
 `pack_linears(model)` swaps every `nn.Linear` of a CPU float32 model for a
 `PackedLinear` that keeps the same `weight` Parameter (state dicts, tied

@@ -274,7 +274,7 @@ def load_model(model: str | os.PathLike | None = None, device: str | None = None
     """Build `Model` from the embedded SmolLM2 (model=None), a .gguf file, or an HF directory.
 
     packed=True (on a CPU, in float32) runs the linear layers from oneDNN-packed
-    weights, about 1.5-2x faster there (minicb/packed_linear.py); False keeps nn.Linear.
+    weights, 1.1-2.2x faster there (minicb/packed_linear.py); False keeps nn.Linear.
     """
     torch_dtype = parse_dtype(dtype)
     dev = resolve_device(device)
