@@ -1,4 +1,5 @@
-"""Grade a chapter's exercises: `python -m minicb check N [--file PATH] [--task K] [-k EXPR] [-v]`.
+"""Grade a chapter's exercises: `python -m minicb check N [--file PATH] [--task K] [-k EXPR] [-m MARKS] [-v]
+[--format table|json|gradescope]`.
 
 It runs chapter N's tests (tests/test_chNN_*.py) against your
 chapters/NN-slug/exercise.py -- or against PATH with --file, which is how a
@@ -11,7 +12,11 @@ teacher grades a submission -- and prints one row per task:
     all   0/1     FAIL    NotImplementedError: Chapter 3, task 1: ...
 
 The exit code is 0 only when every test ran and passed (tests that skip
-themselves, such as GPU-only ones on a laptop, are not failures).
+themselves, such as GPU-only ones on a laptop, are not failures), 1 when
+something failed, and 2 when nothing could be graded: no such file, a file
+that does not import, no such chapter. `--format json` prints the same grade as
+one JSON object and `--format gradescope` writes Gradescope's results.json, for
+a course platform.
 
 How it works: the tests run in a fresh `python -m pytest` with
 MINICB_IMPL=student (or MINICB_IMPL_FILE=PATH) and MINICB_IMPL_ONLY naming
@@ -36,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from dataclasses import dataclass, field
 
 from minicb import impl
@@ -196,6 +202,50 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
     return report
 
 
+def task_summaries(report: Report) -> list[dict]:
+    """One dict per task, in order (then "all", every task together, then unmarked tests "?"):
+    task, passed, skipped, total, status (PASS / FAIL / SKIP), first_failure, and its results."""
+    by_task: dict[int | str | None, list[TestResult]] = {}
+    for result in report.results:
+        by_task.setdefault(result.task, []).append(result)
+    summaries = []
+    for task in sorted(by_task, key=lambda t: (t is None, t == "all", t if isinstance(t, int) else 0)):
+        results = by_task[task]
+        passed = sum(r.outcome == "passed" for r in results)
+        failures = [r for r in results if r.outcome == "failed"]
+        summaries.append({"task": "?" if task is None else str(task), "passed": passed,
+                          "skipped": sum(r.outcome == "skipped" for r in results), "total": len(results),
+                          "status": "FAIL" if failures else ("PASS" if passed else "SKIP"),
+                          "first_failure": failures[0].message if failures else "", "results": results})
+    return summaries
+
+
+def json_report(chapter: int, report: Report, seconds: float) -> dict:
+    """`check N --format json`: the whole grade as one JSON object, for a course platform."""
+    return {"chapter": chapter, "exit_status": 0 if report.passed else 1, "passed": report.passed,
+            "duration_s": round(seconds, 1), "errors": report.errors,
+            "tasks": [{k: t[k] for k in ("task", "passed", "skipped", "total", "status", "first_failure")}
+                      for t in task_summaries(report)]}
+
+
+def gradescope_results(chapter: int, report: Report, seconds: float) -> dict:
+    """`check N --format gradescope`: Gradescope's results.json, one graded entry per task.
+
+    A task scores its passed tests out of its tests; its output lists every test
+    with its outcome and, for a failure, what the failure said.
+    """
+    tests = []
+    for t in task_summaries(report):
+        lines = [f"{r.outcome.upper()} {r.nodeid}" + (f": {r.message}" if r.outcome == "failed" else "")
+                 for r in t["results"]]
+        tests.append({"name": f"chapter {chapter}, task {t['task']}", "score": t["passed"],
+                      "max_score": t["total"] - t["skipped"], "output": "\n".join(lines)})
+    if report.errors:
+        tests.append({"name": f"chapter {chapter}: errors", "score": 0, "max_score": 0,
+                      "output": "\n".join(report.errors)})
+    return {"execution_time": round(seconds), "tests": tests}
+
+
 def format_table(report: Report, width: int = 100) -> str:
     """One row per task: task | passed/total | status | first failure (wrapped to `width`).
 
@@ -203,19 +253,10 @@ def format_table(report: Report, width: int = 100) -> str:
     what differed ("... want 2, got 4") or where to read ("see chapters/..."):
     it wraps onto more lines, indented under its column, instead of being cut.
     """
-    by_task: dict[int | str | None, list[TestResult]] = {}
-    for result in report.results:
-        by_task.setdefault(result.task, []).append(result)
     rows = [("task", "passed", "status", "first failure")]
-    # Tasks in order, then "all" (every task together), then unmarked tests.
-    for task in sorted(by_task, key=lambda t: (t is None, t == "all", t if isinstance(t, int) else 0)):
-        results = by_task[task]
-        passed = sum(r.outcome == "passed" for r in results)
-        skipped = sum(r.outcome == "skipped" for r in results)
-        failures = [r for r in results if r.outcome == "failed"]
-        status = "FAIL" if failures else ("PASS" if passed else "SKIP")
-        count = f"{passed}/{len(results)}" + (f" ({skipped} skipped)" if skipped else "")
-        rows.append(("?" if task is None else str(task), count, status, failures[0].message if failures else ""))
+    for t in task_summaries(report):
+        count = f"{t['passed']}/{t['total']}" + (f" ({t['skipped']} skipped)" if t["skipped"] else "")
+        rows.append((t["task"], count, t["status"], t["first_failure"]))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     indent = sum(widths) + 2 * 3  # where the message column starts
     # Below 30 characters a wrapped message reads as a word per line; then let the terminal wrap it.
@@ -242,21 +283,64 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only grade task K (a number, or 'all' for the integration row); repeatable")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show pytest's output and every failing test in full")
+    parser.add_argument("--format", choices=["table", "json", "gradescope"], default="table",
+                        help="table (default); json: one report on stdout; gradescope: write Gradescope's "
+                             "results.json (to --out)")
+    parser.add_argument("--out", default="results.json", help="--format gradescope: where to write (default "
+                        "results.json; Gradescope reads /autograder/results/results.json)")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def import_error(path: str | os.PathLike) -> str | None:
+    """Why the file at `path` cannot be imported (its last line of traceback), or None if it can."""
+    code = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='minicb_student_check')"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(impl.ROOT), os.environ.get("PYTHONPATH")])))
+    try:
+        child = subprocess.run([sys.executable, "-c", code, str(path)], cwd=impl.ROOT, env=env, text=True,
+                               capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "importing it took more than 300 s"
+    if child.returncode == 0:
+        return None
+    lines = child.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit code {child.returncode}"
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 every test passed, 1 something failed, 2 could not grade (a missing file, a file
+    that does not import, a bad chapter number)."""
+    args = build_parser().parse_args(argv)
+    quiet = args.format != "table"  # json / gradescope: only the report goes to stdout
+    start = time.perf_counter()
     try:
         module = impl.module_for_chapter(args.chapter)
-        target = args.file or impl.exercise_path(module).relative_to(impl.ROOT)
-        print(f"chapter {args.chapter} ({module}): grading {target}", flush=True)
+        target = args.file or impl.exercise_path(module)
+        if not os.path.isfile(target):
+            raise FileNotFoundError(f"exercise file not found: {target}")
+        problem = import_error(target)
+        if problem is not None:
+            raise ImportError(f"{target} does not import, so nothing in it can be graded: {problem}")
+        if not quiet:
+            shown = os.path.relpath(target, impl.ROOT) if args.file is None else target
+            print(f"chapter {args.chapter} ({module}): grading {shown}", flush=True)
         pytest_args = (["-k", args.keyword] if args.keyword else []) + (["-m", args.markers] if args.markers else [])
-        report = run_tests(args.chapter, args.file, pytest_args, args.verbose, args.tasks)
-    except (ValueError, FileNotFoundError) as error:
+        report = run_tests(args.chapter, args.file, pytest_args, args.verbose and not quiet, args.tasks)
+    except (ValueError, FileNotFoundError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
+        if args.format == "json":
+            print(json.dumps({"chapter": args.chapter, "exit_status": 2, "passed": False, "errors": [str(error)],
+                              "duration_s": round(time.perf_counter() - start, 1), "tasks": []}))
         return 2
+    seconds = time.perf_counter() - start
+
+    if args.format == "json":
+        print(json.dumps(json_report(args.chapter, report, seconds), indent=1))
+        return 0 if report.passed else 1
+    if args.format == "gradescope":
+        with open(args.out, "w") as file:
+            json.dump(gradescope_results(args.chapter, report, seconds), file, indent=1)
+        print(f"wrote {args.out}")
+        return 0 if report.passed else 1
 
     for error in report.errors:
         print(f"error: {error}")

@@ -322,3 +322,45 @@ def test_a_failed_match_shows_the_pattern_and_the_message():
 
     line = check._first_line(Longrepr())
     assert "Regex: '5.*6'" in line and "Input: 'token_ids has 7 tokens'" in line, line
+
+
+def fake_report() -> check.Report:
+    return check.Report(results=[
+        check.TestResult("tests/test_ch03_x.py::test_a", 1, "passed"),
+        check.TestResult("tests/test_ch03_x.py::test_b", 1, "failed", "AssertionError: want 2, got 4"),
+        check.TestResult("tests/test_ch03_x.py::test_c", 2, "passed"),
+        check.TestResult("tests/test_ch03_x.py::test_d", 2, "skipped", "needs CUDA"),
+        check.TestResult("tests/test_ch03_x.py::test_e", "all", "passed")], returncode=1)
+
+
+def test_check_json_and_gradescope_reports(tmp_path, monkeypatch, capsys):
+    import json
+
+    monkeypatch.setattr(check, "run_tests", lambda *args, **kwargs: fake_report())
+    assert check.main(["3", "--format", "json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["chapter"] == 3 and report["exit_status"] == 1 and report["passed"] is False, report
+    tasks = {t["task"]: t for t in report["tasks"]}
+    assert list(tasks) == ["1", "2", "all"], report["tasks"]
+    assert (tasks["1"]["passed"], tasks["1"]["total"], tasks["1"]["status"]) == (1, 2, "FAIL"), tasks["1"]
+    assert tasks["1"]["first_failure"] == "AssertionError: want 2, got 4", tasks["1"]
+    assert (tasks["2"]["passed"], tasks["2"]["skipped"], tasks["2"]["status"]) == (1, 1, "PASS"), tasks["2"]
+
+    out = tmp_path / "results.json"
+    assert check.main(["3", "--format", "gradescope", "--out", str(out)]) == 1
+    graded = json.loads(out.read_text())
+    scores = {t["name"]: (t["score"], t["max_score"]) for t in graded["tests"]}
+    assert scores == {"chapter 3, task 1": (1, 2), "chapter 3, task 2": (1, 1), "chapter 3, task all": (1, 1)}, scores
+    task1 = next(t for t in graded["tests"] if t["name"] == "chapter 3, task 1")
+    assert "FAILED tests/test_ch03_x.py::test_b: AssertionError: want 2, got 4" in task1["output"], task1["output"]
+
+
+def test_check_cannot_grade_a_file_that_does_not_import(tmp_path, capsys):
+    import json
+
+    broken = tmp_path / "submission.py"
+    broken.write_text("raise RuntimeError('boom at import')\n")
+    assert check.main(["3", "--file", str(broken), "--format", "json"]) == 2
+    captured = capsys.readouterr()
+    assert "does not import" in captured.err and "boom at import" in captured.err, captured.err
+    assert json.loads(captured.out)["exit_status"] == 2, captured.out
