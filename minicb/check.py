@@ -220,19 +220,25 @@ def task_summaries(report: Report) -> list[dict]:
     return summaries
 
 
-def json_report(chapter: int, report: Report, seconds: float) -> dict:
+def exit_status(report: Report, graded: bool = True) -> int:
+    """0 every test passed, 1 something failed, 2 nothing could be graded."""
+    return 2 if not graded else (0 if report.passed else 1)
+
+
+def json_report(chapter: int, report: Report, seconds: float, graded: bool = True) -> dict:
     """`check N --format json`: the whole grade as one JSON object, for a course platform."""
-    return {"chapter": chapter, "exit_status": 0 if report.passed else 1, "passed": report.passed,
+    return {"chapter": chapter, "exit_status": exit_status(report, graded), "passed": report.passed,
             "duration_s": round(seconds, 1), "errors": report.errors,
             "tasks": [{k: t[k] for k in ("task", "passed", "skipped", "total", "status", "first_failure")}
                       for t in task_summaries(report)]}
 
 
-def gradescope_results(chapter: int, report: Report, seconds: float) -> dict:
+def gradescope_results(chapter: int, report: Report, seconds: float, graded: bool = True) -> dict:
     """`check N --format gradescope`: Gradescope's results.json, one graded entry per task.
 
     A task scores its passed tests out of its tests; its output lists every test
-    with its outcome and, for a failure, what the failure said.
+    with its outcome and, for a failure, what the failure said. A submission that
+    could not be graded scores 0, with the reason as its output.
     """
     tests = []
     for t in task_summaries(report):
@@ -243,7 +249,10 @@ def gradescope_results(chapter: int, report: Report, seconds: float) -> dict:
     if report.errors:
         tests.append({"name": f"chapter {chapter}: errors", "score": 0, "max_score": 0,
                       "output": "\n".join(report.errors)})
-    return {"execution_time": round(seconds), "tests": tests}
+    results = {"execution_time": round(seconds), "tests": tests}
+    if not graded:
+        results.update(score=0, output="could not grade: " + "; ".join(report.errors))
+    return results
 
 
 def format_table(report: Report, width: int = 100) -> str:
@@ -327,20 +336,20 @@ def main(argv: list[str] | None = None) -> int:
         report = run_tests(args.chapter, args.file, pytest_args, args.verbose and not quiet, args.tasks)
     except (ValueError, FileNotFoundError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
-        if args.format == "json":
-            print(json.dumps({"chapter": args.chapter, "exit_status": 2, "passed": False, "errors": [str(error)],
-                              "duration_s": round(time.perf_counter() - start, 1), "tasks": []}))
-        return 2
+        report, graded = Report(errors=[str(error)], returncode=2), False
+    else:
+        graded = True
     seconds = time.perf_counter() - start
 
+    # A platform gets its report whatever happened, a could-not-grade one included.
     if args.format == "json":
-        print(json.dumps(json_report(args.chapter, report, seconds), indent=1))
-        return 0 if report.passed else 1
-    if args.format == "gradescope":
+        print(json.dumps(json_report(args.chapter, report, seconds, graded), indent=1))
+    elif args.format == "gradescope":
         with open(args.out, "w") as file:
-            json.dump(gradescope_results(args.chapter, report, seconds), file, indent=1)
+            json.dump(gradescope_results(args.chapter, report, seconds, graded), file, indent=1)
         print(f"wrote {args.out}")
-        return 0 if report.passed else 1
+    if quiet or not graded:
+        return exit_status(report, graded)
 
     for error in report.errors:
         print(f"error: {error}")
@@ -356,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     passed = sum(r.outcome == "passed" for r in report.results)
     verdict = "all tests passed" if report.passed else "not done yet"
     print(f"\n{passed}/{total} tests passed: {verdict}.")
-    return 0 if report.passed else 1
+    return exit_status(report)
 
 
 if __name__ == "__main__":

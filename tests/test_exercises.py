@@ -364,3 +364,8 @@ def test_check_cannot_grade_a_file_that_does_not_import(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "does not import" in captured.err and "boom at import" in captured.err, captured.err
     assert json.loads(captured.out)["exit_status"] == 2, captured.out
+
+    out = tmp_path / "results.json"  # a course platform still gets a results file, scoring 0
+    assert check.main(["3", "--file", str(broken), "--format", "gradescope", "--out", str(out)]) == 2
+    graded = json.loads(out.read_text())
+    assert graded["score"] == 0 and "boom at import" in graded["output"], graded
