@@ -12,7 +12,7 @@ import sys
 # OpenMP threads that finish a parallel op spin, waiting for the next, unless told
 # to sleep. Alone on a machine that saves microseconds; beside a browser, Jupyter
 # or another job, the spinning threads take the cores the others need and the
-# step waits for them (README, "Threads on a busy machine"). The policy is read
+# step waits for them (docs/results.md, "Threads on a busy machine"). The policy is read
 # once, when torch loads its OpenMP runtime, so it can only be chosen here, before
 # the first `import torch`. A value already in the environment wins, and a program
 # that imported torch before minicb keeps torch's default.

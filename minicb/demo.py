@@ -121,7 +121,7 @@ def main(args) -> int:
     print(f"continuous / static: {rows[1]['tok/s'] / rows[0]['tok/s']:.2f}x tok/s; " + latency_verdict(
         rows[0]["mean latency (s)"], rows[1]["mean latency (s)"]))
 
-    # The same two timelines as a picture (the README shows one).
+    # The same two timelines as a picture (docs/results.md shows one).
     png = pathlib.Path(args.png)
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_side_by_side(static.traces, continuous, path=str(png))

@@ -5,7 +5,7 @@ about what its matmuls cost, and a matmul of a few rows is bound by how well the
 BLAS library handles a short, wide product. torch's CPU build sends `F.linear`
 to Intel MKL, which on this project's AMD machine takes a slow path for a few
 rows: all the linear layers of a SmolLM2 step cost 69 ms at 1 row and 157 ms at
-32 rows on 2 threads (`tools/step_floor.py`, README "The matmul floor").
+32 rows on 2 threads (`tools/step_floor.py`, docs/results.md, "The matmul floor").
 oneDNN, which torch also ships, computes the same products from a weight it has
 first reordered into its own blocked layout, and the same layers then cost 44
 and 77 ms: the weight is packed once here instead of at every call.

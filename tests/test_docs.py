@@ -15,7 +15,8 @@ import pytest
 from minicb import impl
 
 ROOT = impl.ROOT
-TEXTS = [ROOT / "README.md", *sorted((ROOT / "chapters").glob("*/README.md"))]
+TEXTS = [ROOT / "README.md", *sorted((ROOT / "chapters").glob("*/README.md")), *sorted((ROOT / "chapters").glob("*.md")),
+         *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")  # [text](target), ![alt](target)
 # A quoted path: starts in a top-level folder of the repository (or is a root file) and has an extension.
 QUOTED_PATH = re.compile(r"`((?:minicb|tests|chapters|notebooks|tools|docs|\.ci)/[\w./*-]+|[\w-]+\.(?:md|toml))"
