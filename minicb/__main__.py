@@ -1,9 +1,11 @@
-"""The command line: python -m minicb {generate, demo, bench, check, serve, bench-serve}.
+"""The command line: python -m minicb {generate, demo, bench, check, grade, serve, bench-serve}.
 
     python -m minicb generate "What is the capital of France?"   # stream an answer
     python -m minicb demo                                         # static vs continuous batching, side by side
     python -m minicb bench                                        # minicb vs HF transformers
     python -m minicb check 3                                      # grade chapter 3's exercise
+    python -m minicb check all                                    # every chapter's exercise, a row each
+    python -m minicb grade 3 submissions/*.py --csv grades.csv    # a teacher: many submissions, one CSV
     python -m minicb serve --port 8000                            # the OpenAI API, /metrics, a dashboard at /
     python -m minicb bench-serve --url http://127.0.0.1:8000      # load-test any OpenAI-compatible server
 """
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     # One subcommand per job. The module docstring doubles as the help's epilog,
     # so `--help` shows the same examples this file opens with.
-    sub = ap.add_subparsers(dest="command", metavar="{generate,demo,bench,check,serve,bench-serve}")
+    sub = ap.add_subparsers(dest="command", metavar="{generate,demo,bench,check,grade,serve,bench-serve}")
 
     g = sub.add_parser("generate", help="stream an answer to one prompt (chat template applied)")
     g.add_argument("prompt")
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     # rest of the command line is handed to them untouched.
     sub.add_parser("bench", help="throughput and latency: minicb engines vs HF transformers", add_help=False)
     sub.add_parser("check", help="run a chapter's tests against your exercise file", add_help=False)
+    sub.add_parser("grade", help="grade many submissions of one chapter: a table and a CSV", add_help=False)
     sub.add_parser("serve", help="serve the model over HTTP (OpenAI API, /metrics, dashboard)", add_help=False)
     sub.add_parser("bench-serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
                    add_help=False)
@@ -95,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from minicb.check import main as check_main
         return check_main(rest)
+    if args.command == "grade":
+        from minicb.grade import main as grade_main
+        return grade_main(rest)
     if args.command == "serve":
         from minicb.serve.server import main as serve_main
         return serve_main(rest)

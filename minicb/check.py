@@ -1,22 +1,35 @@
-"""Grade a chapter's exercises: `python -m minicb check N [--file PATH] [--task K] [-k EXPR] [-m MARKS] [-v]
-[--format table|json|gradescope]`.
+"""Grade a chapter's exercises: `python -m minicb check N|all [--file PATH] [--task K] [--full] [-k EXPR] [-m MARKS]
+[-v] [--format table|json|gradescope]`.
 
 It runs chapter N's tests (tests/test_chNN_*.py) against your
 chapters/NN-slug/exercise.py -- or against PATH with --file, which is how a
-teacher grades a submission -- and prints one row per task:
+teacher grades a submission -- and prints one row per task, with the time its
+tests took:
 
-    task  passed  status  first failure
-    1     12/12   PASS
-    2     0/4     FAIL    NotImplementedError: Chapter 3, task 2: append() — see
-                          chapters/03-block-allocation/README.md#task-2
-    all   0/1     FAIL    NotImplementedError: Chapter 3, task 1: ...
+    task  passed  time  status  first failure
+    1     12/12   1s    PASS
+    2     0/4     0s    FAIL    NotImplementedError: Chapter 3, task 2: append() — see
+                                chapters/03-block-allocation/README.md#task-2
+    all   0/1     0s    FAIL    NotImplementedError: Chapter 3, task 1: ...
+
+By default it runs every test but the slow ones (`-m "not slow"`): those are
+enough to catch every bug planted in tests/test_mutants.py. `--full` adds the
+slow tests, which run the real model through your code.
 
 The exit code is 0 only when every test ran and passed (tests that skip
 themselves, such as GPU-only ones on a laptop, are not failures), 1 when
 something failed, and 2 when nothing could be graded: no such file, a file
-that does not import, no such chapter. `--format json` prints the same grade as
+that does not import, no such chapter, or every selected test skipped itself
+(a CUDA-only task on a CPU). `--format json` prints the same grade as
 one JSON object and `--format gradescope` writes Gradescope's results.json, for
 a course platform.
+
+`python -m minicb check all` grades every chapter's own exercise file in turn,
+with the same options, and prints a row per chapter as it finishes: tests
+passed, PASS / FAIL / "not started" (every failure is a stub's
+NotImplementedError) / "could not grade", and the time. It exits 0 only when
+every chapter passes. To grade other people's files, one chapter at a time,
+see `python -m minicb grade` (minicb/grade.py).
 
 How it works: the tests run in a fresh `python -m pytest` with
 MINICB_IMPL=student (or MINICB_IMPL_FILE=PATH) and MINICB_IMPL_ONLY naming
@@ -56,6 +69,7 @@ class TestResult:
     task: int | str | None  # from @pytest.mark.task(k): k, or "all" for every task together; None: no marker
     outcome: str  # "passed" | "failed" | "skipped"
     message: str = ""  # first line of the failure ("NotImplementedError: ..."), or the skip reason
+    seconds: float = 0.0  # setup + call + teardown
 
 
 @dataclass
@@ -95,6 +109,36 @@ def _first_line(longrepr) -> str:
     return exception_lines[-1] if exception_lines else (text.splitlines()[-1] if text else "")
 
 
+def _window(items, index: int, width: int = 6) -> str:
+    """items[index - width : index + width + 1] as a list or string, with "..." where it was cut."""
+    lo, hi = max(0, index - width), min(len(items), index + width + 1)
+    if isinstance(items, str):
+        return ("..." if lo else "") + repr(items[lo:hi]) + ("..." if hi < len(items) else "")
+    inner = ", ".join(repr(x) for x in items[lo:hi])
+    return "[" + ("..., " if lo else "") + inner + (", ..." if hi < len(items) else "") + "]"
+
+
+def pytest_assertrepr_compare(config, op, left, right):
+    """`assert a == b` on two sequences (token ids, texts): both sides around their first difference.
+
+    pytest's own summary shortens each side from its start, so a mismatch at
+    token 90 of 128 shows 128 tokens cut off long before it. This shows the
+    index and a window of each side around it, on the lines that `_first_line`
+    keeps for the grade's first-failure column.
+    """
+    if op != "==" or not isinstance(left, (list, tuple, str)) or not isinstance(right, (list, tuple, str)):
+        return None
+    if isinstance(left, str) != isinstance(right, str):
+        return None
+    index = next((i for i, (a, b) in enumerate(zip(left, right)) if a != b), min(len(left), len(right)))
+    if index < min(len(left), len(right)):
+        what = f"{left[index]!r} != {right[index]!r}"
+    else:
+        what = "one side ends there"
+    return [f"{_window(left, index)} == {_window(right, index)}",
+            f"first difference at index {index} (lengths {len(left)} and {len(right)}): {what}"]
+
+
 class _Collector:
     def __init__(self, path: str, tasks: set[str] | None = None):
         self.path = path
@@ -123,6 +167,7 @@ class _Collector:
         # wins; a skip in setup (e.g. no CUDA) makes the whole test a skip.
         result = self.results.setdefault(report.nodeid, TestResult(report.nodeid, self.tasks.get(report.nodeid),
                                                                    "passed"))
+        result.seconds = round(result.seconds + report.duration, 3)
         if result.outcome == "failed":
             return
         if report.failed:
@@ -148,13 +193,15 @@ def pytest_configure(config):
 
 def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
               pytest_args: list[str] | tuple[str, ...] = (), verbose: bool = False,
-              tasks: list[int | str] | None = None) -> Report:
+              tasks: list[int | str] | None = None, timeout: float | None = None) -> Report:
     """Run chapter `chapter`'s tests against the student's file; collect per-test results.
 
     exercise_file: grade this file instead of chapters/NN-slug/exercise.py.
     pytest_args: passed on to pytest (e.g. ["-k", "not random"]).
     verbose: let pytest print to the terminal (-v) instead of capturing it.
     tasks: run only the tests of these tasks (e.g. [2] or [1, "all"]); None runs them all.
+    timeout: stop the tests after this many seconds (a submission whose loop never ends);
+    the report then has an error saying so. None: no limit.
     """
     module = impl.module_for_chapter(chapter)  # raises ValueError naming the allowed chapters
     test_files = sorted((impl.ROOT / "tests").glob(f"test_ch{chapter:02d}_*.py"))
@@ -185,11 +232,17 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
     with tempfile.TemporaryDirectory() as scratch:
         env[REPORT_ENV] = os.path.join(scratch, "results.json")
         # no:cacheprovider: grading must not leave .pytest_cache behind, nor reorder
-        # tests by what failed last time.
+        # tests by what failed last time. no:nbmake: the notebook plugin is not needed
+        # here, and importing it costs every grade about 3 s.
         command = [sys.executable, "-m", "pytest", *map(str, test_files), "-p", "minicb.check",
-                   "-p", "no:cacheprovider", "-v" if verbose else "-q", "--tb=short", *pytest_args]
-        child = subprocess.run(command, cwd=impl.ROOT, env=env, text=True,
-                               stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)
+                   "-p", "no:cacheprovider", "-p", "no:nbmake", "-v" if verbose else "-q", "--tb=short", *pytest_args]
+        try:
+            child = subprocess.run(command, cwd=impl.ROOT, env=env, text=True, timeout=timeout,
+                                   stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)
+        except subprocess.TimeoutExpired as expired:
+            output = expired.output.decode(errors="replace") if isinstance(expired.output, bytes) else ""
+            return Report(errors=[f"the tests did not finish in {timeout:g} s: a loop that never ends?"],
+                          returncode=1, output=output or "")
         report = Report(returncode=child.returncode, output=child.stdout or "")
         try:
             with open(env[REPORT_ENV]) as file:
@@ -204,7 +257,8 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
 
 def task_summaries(report: Report) -> list[dict]:
     """One dict per task, in order (then "all", every task together, then unmarked tests "?"):
-    task, passed, skipped, total, status (PASS / FAIL / SKIP), first_failure, and its results."""
+    task, passed, skipped, total, seconds (its tests' own time, without pytest's start-up),
+    status (PASS / FAIL / SKIP), first_failure, and its results."""
     by_task: dict[int | str | None, list[TestResult]] = {}
     for result in report.results:
         by_task.setdefault(result.task, []).append(result)
@@ -215,6 +269,7 @@ def task_summaries(report: Report) -> list[dict]:
         failures = [r for r in results if r.outcome == "failed"]
         summaries.append({"task": "?" if task is None else str(task), "passed": passed,
                           "skipped": sum(r.outcome == "skipped" for r in results), "total": len(results),
+                          "seconds": round(sum(r.seconds for r in results), 1),
                           "status": "FAIL" if failures else ("PASS" if passed else "SKIP"),
                           "first_failure": failures[0].message if failures else "", "results": results})
     return summaries
@@ -229,7 +284,7 @@ def json_report(chapter: int, report: Report, seconds: float, graded: bool = Tru
     """`check N --format json`: the whole grade as one JSON object, for a course platform."""
     return {"chapter": chapter, "exit_status": exit_status(report, graded), "passed": report.passed,
             "duration_s": round(seconds, 1), "errors": report.errors,
-            "tasks": [{k: t[k] for k in ("task", "passed", "skipped", "total", "status", "first_failure")}
+            "tasks": [{k: t[k] for k in ("task", "passed", "skipped", "total", "seconds", "status", "first_failure")}
                       for t in task_summaries(report)]}
 
 
@@ -256,38 +311,51 @@ def gradescope_results(chapter: int, report: Report, seconds: float, graded: boo
 
 
 def format_table(report: Report, width: int = 100) -> str:
-    """One row per task: task | passed/total | status | first failure (wrapped to `width`).
+    """One row per task: task | passed/total | time | status | first failure (wrapped to `width`).
 
     The failure message is kept whole, since its end is often the part that says
     what differed ("... want 2, got 4") or where to read ("see chapters/..."):
     it wraps onto more lines, indented under its column, instead of being cut.
     """
-    rows = [("task", "passed", "status", "first failure")]
+    rows = [("task", "passed", "time", "status", "first failure")]
     for t in task_summaries(report):
         count = f"{t['passed']}/{t['total']}" + (f" ({t['skipped']} skipped)" if t["skipped"] else "")
-        rows.append((t["task"], count, t["status"], t["first_failure"]))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    indent = sum(widths) + 2 * 3  # where the message column starts
+        rows.append((t["task"], count, f"{t['seconds']:.0f}s", t["status"], t["first_failure"]))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    indent = sum(widths) + 2 * 4  # where the message column starts
     # Below 30 characters a wrapped message reads as a word per line; then let the terminal wrap it.
     room = max(width - indent, 30)
     lines = []
     for row in rows:
         start = "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  "
-        wrapped = textwrap.wrap(row[3], room, break_long_words=False, break_on_hyphens=False) or [""]
+        wrapped = textwrap.wrap(row[4], room, break_long_words=False, break_on_hyphens=False) or [""]
         lines.append(start + wrapped[0])
         lines += [" " * indent + more for more in wrapped[1:]]
     return "\n".join(line.rstrip() for line in lines)
 
 
+def chapter_arg(text: str) -> int | str:
+    """The chapter argument: a number, or "all"."""
+    if text == "all":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a chapter number (e.g. 3) nor 'all'") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minicb check",
                                      description="Run a chapter's tests against your exercise file, task by task.")
-    parser.add_argument("chapter", type=int, help="chapter number, e.g. 3")
+    parser.add_argument("chapter", type=chapter_arg,
+                        help="chapter number, e.g. 3; or 'all': every chapter's exercise file, a row each")
     parser.add_argument("--file", help="grade this file instead of chapters/NN-slug/exercise.py")
     parser.add_argument("-k", dest="keyword", help="only run tests whose names match this pytest -k expression")
     parser.add_argument("-m", dest="markers",
-                        help='only run tests whose marks match this pytest -m expression: "not slow" leaves out '
-                             "the SmolLM2 tests, the quick loop")
+                        help='only run tests whose marks match this pytest -m expression (default "not slow": '
+                             "every test but the SmolLM2 ones; --full runs those too)")
+    parser.add_argument("--full", action="store_true",
+                        help="run the slow tests too: the real model (SmolLM2) through your code, minutes more")
     parser.add_argument("--task", action="append", dest="tasks", metavar="K",
                         help="only grade task K (a number, or 'all' for the integration row); repeatable")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -298,6 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="results.json", help="--format gradescope: where to write (default "
                         "results.json; Gradescope reads /autograder/results/results.json)")
     return parser
+
+
+def selection_args(args: argparse.Namespace) -> list[str]:
+    """The pytest selection for parsed `check` arguments: -k as given; -m as given, or "not slow"
+    unless --full (the quick tests catch every planted bug in tests/test_mutants.py; the slow ones
+    run the real model through the student's code)."""
+    markers = args.markers or (None if args.full else "not slow")
+    return (["-k", args.keyword] if args.keyword else []) + (["-m", markers] if markers else [])
 
 
 def import_error(path: str | os.PathLike) -> str | None:
@@ -319,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 every test passed, 1 something failed, 2 could not grade (a missing file, a file
     that does not import, a bad chapter number)."""
     args = build_parser().parse_args(argv)
+    if args.chapter == "all":
+        return check_all(args)
     quiet = args.format != "table"  # json / gradescope: only the report goes to stdout
     start = time.perf_counter()
     try:
@@ -332,9 +410,12 @@ def main(argv: list[str] | None = None) -> int:
         if not quiet:
             shown = os.path.relpath(target, impl.ROOT) if args.file is None else target
             print(f"chapter {args.chapter} ({module}): grading {shown}", flush=True)
-        pytest_args = (["-k", args.keyword] if args.keyword else []) + (["-m", args.markers] if args.markers else [])
-        report = run_tests(args.chapter, args.file, pytest_args, args.verbose and not quiet, args.tasks)
-    except (ValueError, FileNotFoundError, ImportError) as error:
+        report = run_tests(args.chapter, args.file, selection_args(args), args.verbose and not quiet, args.tasks)
+        if report.results and all(r.outcome == "skipped" for r in report.results):
+            # Nothing ran: a CUDA-only task on a CPU, say. A pass would be a lie and a fail unfair.
+            reasons = sorted({r.message for r in report.results})
+            raise RuntimeError(f"every selected test skipped itself, so nothing was graded: {'; '.join(reasons)}")
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         report, graded = Report(errors=[str(error)], returncode=2), False
     else:
@@ -366,6 +447,100 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "all tests passed" if report.passed else "not done yet"
     print(f"\n{passed}/{total} tests passed: {verdict}.")
     return exit_status(report)
+
+
+
+# ---- check all: every chapter's own exercise file, a row each -------------------
+
+
+def grade_chapter(chapter: int, pytest_args: list[str], tasks: list[int | str] | None = None
+                  ) -> tuple[str, Report, str]:
+    """Grade chapter `chapter`'s chapters/NN-slug/exercise.py as `check N` does.
+
+    Returns its status (PASS / FAIL / not started / could not grade), the report,
+    and a one-line note: the first failure, or why nothing could be graded.
+    "not started" is a FAIL whose every failure is a stub's NotImplementedError
+    and where no task passes yet: the chapter's file is still as it was handed out.
+    """
+    try:
+        module = impl.module_for_chapter(chapter)
+        path = impl.exercise_path(module)
+        if not path.is_file():
+            raise FileNotFoundError(f"exercise file not found: {path.relative_to(impl.ROOT)}")
+        problem = import_error(path)
+        if problem is not None:
+            raise ImportError(f"{path.relative_to(impl.ROOT)} does not import: {problem}")
+        report = run_tests(chapter, None, pytest_args, tasks=tasks)
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        return "could not grade", Report(errors=[str(error)], returncode=2), str(error)
+    if not report.results and not report.errors:  # e.g. --task 5 in a chapter with four tasks
+        return "could not grade", report, f"no test was selected (pytest exit code {report.returncode})"
+    if report.results and all(r.outcome == "skipped" for r in report.results):
+        reasons = "; ".join(sorted({r.message for r in report.results}))
+        return "could not grade", report, f"every selected test skipped itself: {reasons}"
+    if report.passed:
+        return "PASS", report, ""
+    summaries = task_summaries(report)
+    failures = [r for r in report.results if r.outcome == "failed"]
+    untouched = (failures and not report.errors
+                 and all(r.message.startswith("NotImplementedError") for r in failures)
+                 and not any(t["status"] == "PASS" for t in summaries if t["task"] not in ("all", "?")))
+    if untouched:
+        return "not started", report, ""
+    failing = next((t for t in summaries if t["status"] == "FAIL"), None)
+    if report.errors:
+        note = report.errors[0]
+    elif failing is not None:
+        note = f"task {failing['task']}: {failing['first_failure']}"
+    else:  # every test passed, yet pytest itself failed (an error after the last test)
+        note = f"pytest exited with code {report.returncode}"
+    return "FAIL", report, note
+
+
+def check_all(args: argparse.Namespace) -> int:
+    """`check all`: every chapter's exercise file in turn, a row printed as each finishes.
+
+    Each chapter is graded exactly as `check N` grades it, with the same -k, -m,
+    --full and --task. Exit 0 when every chapter passes, 1 otherwise, 2 for
+    --file or --format gradescope, which name one file and one chapter.
+    """
+    if args.file or args.format == "gradescope":
+        option = "--file" if args.file else "--format gradescope"
+        print(f"error: {option} grades one chapter; give a chapter number instead of 'all'", file=sys.stderr)
+        return 2
+    quiet = args.format == "json"
+    chapters = sorted((number, module) for module, (number, _) in impl.CHAPTERS.items())
+    header = ("chapter", "module", "passed", "status", "time")
+    widths = (7, max(len(module) for _, module in chapters), 9, 15, 5)
+    room = max(shutil.get_terminal_size((100, 24)).columns - sum(widths) - 2 * len(widths), 30)
+
+    def row(cells: tuple[str, ...], note: str = "") -> str:
+        note = textwrap.shorten(note, room, placeholder=" ...") if note else ""
+        return ("  ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + "  " + note).rstrip()
+
+    if not quiet:
+        print(row(header + ("note",)), flush=True)
+    statuses, reports = [], []
+    for number, module in chapters:
+        start = time.perf_counter()
+        status, report, note = grade_chapter(number, selection_args(args), args.tasks)
+        seconds = time.perf_counter() - start
+        statuses.append(status)
+        reports.append(dict(json_report(number, report, seconds, graded=status != "could not grade"),
+                            module=module, status=status))
+        if not quiet:
+            # passed/ran, as `grade` counts: a test that skipped itself (no GPU) neither passed nor failed.
+            passed = sum(r.outcome == "passed" for r in report.results)
+            skipped = sum(r.outcome == "skipped" for r in report.results)
+            count = f"{passed}/{len(report.results) - skipped}"
+            note = note or (f"{skipped} skipped" if skipped else "")
+            print(row((str(number), module, count, status, f"{seconds:.0f}s"), note), flush=True)
+    code = 0 if all(status == "PASS" for status in statuses) else 1
+    if quiet:
+        print(json.dumps({"exit_status": code, "chapters": reports}, indent=1))
+    else:
+        print(f"\n{statuses.count('PASS')}/{len(statuses)} chapters pass.")
+    return code
 
 
 if __name__ == "__main__":
