@@ -1,8 +1,7 @@
 """Chapter 01 exercises: the generation loop, without and then with a KV cache.
 
 Fill in each stub, then run `python -m minicb check 1`. The chapter text
-(chapters/01-naive-generation/README.md) explains every task; the reference
-is minicb/naive.py, if you get stuck.
+(chapters/01-naive-generation/README.md) explains every task.
 
 What you call (all given):
 - `model(input_ids, positions, attention, logits_at=None)` from chapter 00:
@@ -17,8 +16,12 @@ What you call (all given):
   -> "stop" | "length" | None. `num_generated` and `num_tokens` (prompt +
   generated) both count `token` itself; `max_model_len` is
   model.config.max_position_embeddings, so a full context ends with "length" too.
-- `check_prompt(prompt_ids, max_context)` raises the ValueErrors for an empty
-  or too-long prompt.
+- `check_prompt(prompt_ids, max_context)` returns None for a prompt that fits and
+  raises ValueError for an empty prompt (the message says "the prompt is empty")
+  and for a prompt of max_context tokens or more (the message names its length).
+  Call it first and let its errors through.
+- `Generation(token_ids, finish_reason)`: what both loops return, the generated
+  tokens (not the prompt) and "stop" or "length".
 """
 from __future__ import annotations
 
@@ -60,8 +63,8 @@ class ContiguousKVCache(_reference.ContiguousKVCache):
         q [B, T, n_heads, hd]; k, v [B, T, n_kv_heads, hd] -> out [B, T, n_heads, hd].
         The T new tokens go to columns [seq_len, seq_len + T) of layer `layer`
         (do not advance seq_len here: every layer sees the same seq_len, and the
-        caller advances once per forward). Raise RuntimeError naming max_len if
-        they do not fit. New token i sits at column seq_len + i and may see
+        caller advances once per forward). If they do not fit, raise
+        RuntimeError with the value of max_len in the message. New token i sits at column seq_len + i and may see
         columns 0 .. seq_len + i: a lower-triangular mask shifted right by
         seq_len. Combine it with key_mask(seq_len + T) when that is not None,
         so that chapter 02's subclass works unchanged.

@@ -1,8 +1,7 @@
 """Chapter 02 exercises: static batching with left padding.
 
 Fill in each stub, then run `python -m minicb check 2`. The chapter text
-(chapters/02-static-batching/README.md) explains every task; the reference
-is minicb/static_batching.py, if you get stuck.
+(chapters/02-static-batching/README.md) explains every task.
 
 Chapter 01 is given in full (minicb/naive.py): its ContiguousKVCache is the
 base class of task 2, and its loop is the model of task 3. So are the stats

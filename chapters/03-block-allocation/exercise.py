@@ -1,17 +1,23 @@
 """Chapter 03 exercises: the KV block allocator.
 
 Fill in each stub, then run `python -m minicb check 3`. The chapter text
-(chapters/03-block-allocation/README.md) explains every task; the reference
-is minicb/block_allocator.py, if you get stuck.
+(chapters/03-block-allocation/README.md) explains every task.
 
 Everything here is plain Python: lists, dicts and a deque. No tensors.
 """
 from __future__ import annotations
 
-# given: the two errors the tests expect, and the length mix for task 5
+# given: the two errors the tests expect (OutOfBlocksError is a RuntimeError,
+# UnknownSequenceError a KeyError; raise them with your own message), and the
+# length mix for task 5: long_tailed_lengths(num_seqs=64, max_len=2048, seed=0)
+# returns num_seqs int lengths in [1, max_len], long-tailed (median about 256)
 from minicb.block_allocator import OutOfBlocksError, UnknownSequenceError, long_tailed_lengths  # noqa: F401
 # given: the prefix-caching calls the engine makes of every allocator, answered
-# "nothing cached" in terms of your blocks_needed() and allocate() (chapter 07 caches for real)
+# "nothing cached" in terms of your blocks_needed() and allocate() (chapter 07
+# caches for real): num_cached_tokens(token_ids) -> 0, free_blocks_needed(token_ids)
+# -> blocks_needed(len(token_ids)), allocate_prefix(seq_id, token_ids) -> calls
+# allocate(seq_id, len(token_ids)) and returns 0, cache_full_blocks(...) -> 0,
+# cached_free_blocks() -> []. You write none of them.
 from minicb.block_allocator import NoPrefixCache
 
 
@@ -36,7 +42,7 @@ class BlockAllocator(NoPrefixCache):
             "Chapter 3, task 1: num_free_blocks — see chapters/03-block-allocation/README.md#task-1")
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """ceil(num_tokens / block_size); ValueError for a negative count."""
+        """ceil(num_tokens / block_size); ValueError naming the count (e.g. -1) if it is negative."""
         raise NotImplementedError(
             "Chapter 3, task 1: blocks_needed() — see chapters/03-block-allocation/README.md#task-1")
 

@@ -19,8 +19,15 @@ from __future__ import annotations
 
 import torch  # noqa: F401
 
-# Given: the argument checks (call check_paged_args first in every attention
-# function; it raises ValueError/TypeError naming the bad value) and the per-layer pool.
+# Given:
+# - check_paged_args(q, k_cache, v_cache, block_tables, context_lens): call it first
+#   in every attention function. It returns None, or raises TypeError (a wrong dtype)
+#   or ValueError (a wrong shape, a context length outside [1, max_blocks * block_size],
+#   a block id a sequence uses that is not in [0, num_blocks)) naming the bad entry and
+#   its value, e.g. "block_tables[1, 0] = 6 is not a block id: ...".
+# - KVPool(num_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype, device):
+#   the engine's pool, one zeroed k and v cache per layer (k_caches[layer],
+#   v_caches[layer]); the tests and the engine build it, your functions get one layer.
 from minicb.paged_attention import KVPool, check_paged_args  # noqa: F401  # given
 
 

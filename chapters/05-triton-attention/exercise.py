@@ -25,8 +25,20 @@ choose_triton_mode()
 import triton  # noqa: E402, F401
 import triton.language as tl  # noqa: E402, F401
 
-# Given: host-side argument checks (device, shapes, dtypes, block ids, slots),
-# and the split-count heuristic. Call the checks first in every wrapper.
+# Given: the host-side argument checks, and the split-count heuristic. Call the
+# checks first in every wrapper; each returns None or raises before any launch:
+# - check_store_args(k, v, k_cache, v_cache, slot_mapping): TypeError naming a
+#   wrong dtype (e.g. float16 against a float32 pool); ValueError naming a shape
+#   that does not fit (as a tuple, e.g. (3, 1, 16)), a slot past the pool (the
+#   slot, e.g. 32), or a device the kernels cannot read (e.g. meta).
+# - check_attention_args(q, k_cache, v_cache, block_tables, context_lens): chapter
+#   04's check_paged_args plus the device check: TypeError naming a wrong dtype;
+#   ValueError naming a head_dim that differs, a context length past what the block
+#   table holds (the length), a block id that is negative or past the pool (the id),
+#   or a device the kernels cannot read (e.g. meta, or cpu when they are compiled
+#   for a GPU).
+# - default_num_splits(num_seqs, n_kv_heads, max_context, device) -> int: how many
+#   pieces split-K cuts each sequence into when num_splits is None (2 on a CPU).
 from minicb.triton_attention import check_attention_args, check_store_args, default_num_splits  # noqa: E402, F401  # given
 
 

@@ -18,10 +18,10 @@ One step is the given `schedule()`:
 
 and, after the engine's forward and sampling, your `postprocess()` (task 2).
 
-Given, in the class below (each is described where a stub uses it, and in the
-chapter text): the Sequence record and its RequestStatus, the queues (add,
-abort, check_request), the one rule `tokens_to_compute`, and the helpers
-`put`, `take_slot`, `fork`, `slots_promised`, `preempt` and `finish`.
+Given, in the class below (each is described in the Scheduler docstring): the
+Sequence record and its RequestStatus, the queues (add, abort, check_request),
+the one rule `tokens_to_compute`, and the helpers `put`, `take_slot`, `fork`,
+`slots_promised`, `preempt` and `finish`.
 """
 from minicb.block_allocator import BlockAllocator  # noqa: F401  # given
 from minicb.sampling import SamplingParams, finish_reason  # noqa: F401  # given
@@ -54,6 +54,19 @@ class Scheduler(_GivenScheduler):
     out.is_empty is True while nothing is scheduled in the step yet.
 
     Given helpers:
+    - self.add(seq): queue a new request at the back of self.waiting. It first calls
+      self.check_request(seq.prompt_token_ids, seq.params), which returns None or
+      raises RequestRejected (a ValueError) and queues nothing when the request could
+      never run: an empty prompt ("the prompt is empty"); a prompt as long as the
+      model's context or longer (the message says "the model's context is" and
+      max_model_len); params.n over max_num_seqs; or prompt + max_tokens needing
+      more blocks than the whole pool (the message says "the pool has only N
+      blocks", N = allocator.num_blocks).
+    - self.abort(request_id): finish a waiting or running request with reason
+      "abort" and return its Sequence; None when there is no such request.
+    - SamplingParams(...) (minicb.sampling, chapter 01) checks its own fields:
+      ValueError naming the field and its value, e.g. max_tokens=0, temperature=-1.0,
+      top_p=0.0 or top_p=1.5.
     - self.tokens_to_compute(num_remaining, budget, step_is_empty) -> int: the one
       rule. How many of a request's num_remaining uncomputed tokens it computes this
       step, with `budget` tokens left: in this chapter all of them if they fit the

@@ -52,7 +52,9 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """Task 2: q [q_len, n_heads, head_dim] (the last q_len positions), k, v [context_len,
     n_kv_heads, head_dim] -> [q_len, n_heads, head_dim]: softmax(q k^T * scale + mask) v per
     head, with your offset_causal_mask, scale 1/sqrt(head_dim) by default, GQA (query head h
-    reads KV head h // (n_heads // n_kv_heads)). ValueError for shapes that do not fit."""
+    reads KV head h // (n_heads // n_kv_heads)). ValueError for shapes that do not fit, saying
+    which: naming q_len for a q_len over context_len, the word "multiple" for n_heads not a
+    multiple of n_kv_heads, the word "shape" (and the shapes) for k and v of different shapes."""
     raise NotImplementedError(
         "Chapter 8, task 2: chunk_attention() — see chapters/08-chunked-prefill/README.md#task-2")
 

@@ -6,10 +6,20 @@ the tests are tests/test_ch09_*.py. Run them against this file with
     python -m minicb check 9
     MINICB_IMPL=student MINICB_IMPL_ONLY=serve.loop python -m minicb serve     # the real server, on your code
 
-Given (minicb/serve/events.py documents each): the events a handle receives
-(Token, Finished, Failed), RequestHandle (your functions set its request_id and
-fill its `ended` set), Owners, and Applied (what apply_commands reports); and
-EngineLoop, which runs the engine thread. Every step, EngineLoop looks up
+Given (from minicb/serve/events.py; you make and fill them, you do not write them):
+- the events a handle receives, plain dataclasses: Token(completion, token_id),
+  Finished(completion, reason) with reason "stop", "length" or "abort", and
+  Failed(message) when the engine refused or broke;
+- RequestHandle: one HTTP request. It carries prompt_token_ids, params (its
+  SamplingParams; params.n completions) and arrival (a perf_counter time); your
+  functions set its request_id (None until added) and fill its `ended` set, the
+  completions that will produce nothing more. Handles compare by identity, so
+  they can be dict keys;
+- Owners: the engine thread's dict, engine request id -> RequestHandle;
+- Applied: what apply_commands reports, Applied() empty to start: stop (bool),
+  aborted (a list of (handle, completion) pairs) and failed (a dict handle ->
+  list of Failed);
+and EngineLoop, which runs the engine thread. Every step, EngineLoop looks up
 these three functions with `impl.load("serve.loop")` and calls them in this order:
 
     commands = take_commands(inbox, wait=not engine.has_unfinished())
@@ -43,15 +53,19 @@ def apply_commands(engine: Engine, owners: Owners, commands: list[tuple]) -> App
 
     ("add", handle, None): rid = engine.add_request(handle.prompt_token_ids, handle.params,
         arrival_time=handle.arrival); handle.request_id = rid; owners[rid] = handle.
-        If add_request raises, applied.failed[handle] = [Failed(f"{type(e).__name__}: {e}")]
+        add_request returns the new id, or raises (a ValueError for a request the engine can never
+        serve) and queues nothing. If it raises, applied.failed[handle] = [Failed(f"{type(e).__name__}: {e}")]
         and the next commands still run.
     ("abort", handle, completion): skip it if handle.request_id is not in `owners` (the request
         ended already). Otherwise engine.abort(handle.request_id, completion) stops that one
         completion, or every live one when completion is None, frees their blocks now, and returns
         the aborted Sequences; a KeyError from it (nothing of the request is live) is not an error:
         nothing was aborted. For each returned seq: add seq.completion to handle.ended and append
-        (handle, seq.completion) to applied.aborted. Then the request leaves `owners` if completion
-        is None, or if all handle.params.n completions have ended.
+        (handle, seq.completion) to applied.aborted -- one entry per completion the engine returned,
+        also when completion is None: an n = 2 request still waiting has only completion 0 (1 is
+        not forked yet), so it gives [(handle, 0)]; one that runs both gives one entry for each.
+        Then the request leaves `owners` if completion is None, or if all handle.params.n
+        completions have ended.
     ("stop", None, None): set applied.stop and return at once, applying nothing after it.
     """
     raise NotImplementedError("Chapter 9, task 2: apply_commands() — see chapters/09-serving/README.md#task-2")

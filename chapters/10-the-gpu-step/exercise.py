@@ -6,10 +6,14 @@ them against this file with
 
     python -m minicb check 10
 
-Given (minicb/cuda_graphs.py documents it): the decode runner, DecodeGraphs, a
-ModelRunner (minicb/model_runner.py) -- its static buffers, the scratch block,
-capture, replay, and the eager forward a CPU runs instead. The class at the
-bottom of this file is that runner, calling your three functions where the
+Given: the decode runner DecodeGraphs, a chapter 06 ModelRunner (minicb/model_runner.py)
+with static buffers sized for the largest bucket, a scratch block (one pool block more
+than the allocator hands out; padding rows write their K/V there), one CUDA graph
+captured per bucket on a GPU, and, on a CPU, the same padded forward run eagerly. It
+calls your three functions: batch_buckets once when it is built (the graphs to capture),
+then at every decode-only step smallest_bucket (the graph to replay; None: run that step
+eagerly, unpadded) and pad_decode_inputs (the rows it copies into its buffers). The
+class at the bottom of this file is that runner, calling your functions where the
 reference calls its own; the engine builds it and hands it every step's batch
 (EngineConfig(cuda_graphs=True) on a CPU runs it eagerly, with your padding).
 """
@@ -18,22 +22,25 @@ from __future__ import annotations
 import torch  # noqa: F401  # you will need it
 
 from minicb.cuda_graphs import DecodeGraphs as _GivenDecodeGraphs
-from minicb.cuda_graphs import runner_mode  # noqa: F401  # given: when the engine has a runner
+# given: runner_mode(setting, device, kernels) -> "graphs", "eager" or None, how the engine runs
+# decode-only steps for EngineConfig.cuda_graphs = setting (you do not call it)
+from minicb.cuda_graphs import runner_mode  # noqa: F401
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """Task 1: the batch sizes that get a graph, ascending: 1, 2, 4, 8 (those below max_num_seqs),
     then 16, 24, 32, ... (every 8 below max_num_seqs), and max_num_seqs itself.
     batch_buckets(32) -> [1, 2, 4, 8, 16, 24, 32]; batch_buckets(20) -> [1, 2, 4, 8, 16, 20].
-    ValueError naming the value unless max_num_seqs is an int >= 1."""
+    Unless max_num_seqs is an int >= 1, ValueError naming it as max_num_seqs= and the value's
+    repr: max_num_seqs=0, max_num_seqs=2.5, max_num_seqs='8' (the string "8")."""
     raise NotImplementedError(
         "Chapter 10, task 1: batch_buckets() — see chapters/10-the-gpu-step/README.md#task-1")
 
 
 def smallest_bucket(buckets: list[int], num_seqs: int) -> int | None:
     """Task 1: the smallest of `buckets` (ascending) that holds num_seqs rows, or None when num_seqs
-    is over the largest (the runner then runs the step eagerly). ValueError naming the value unless
-    num_seqs is an int >= 1."""
+    is over the largest (the runner then runs the step eagerly). Unless num_seqs is an int >= 1,
+    ValueError naming it as num_seqs= and the value: num_seqs=0, num_seqs=-1."""
     raise NotImplementedError(
         "Chapter 10, task 1: smallest_bucket() — see chapters/10-the-gpu-step/README.md#task-1")
 
@@ -45,15 +52,17 @@ def pad_decode_inputs(token_ids: list[int], positions: list[int], slots: list[in
       inputs [4, bucket] int64: rows token ids, positions, slots, context lengths (position + 1);
       tables [bucket, max_blocks] int32: each real row's block table, then scratch_block to the end.
     A padding row: token 0, position 0, slot scratch_block * block_size, context 1, table all
-    scratch_block. ValueError naming the value: n < 1, n > bucket, lists of different lengths,
-    a block table longer than max_blocks."""
+    scratch_block. ValueError, with these words in the message: "no sequences" for n < 1; the
+    bucket as bucket=2 for n over bucket; the list's name, e.g. "positions", for lists of
+    different lengths; the limit as max_blocks=3 for a block table longer than max_blocks. It changes none of its arguments: block_tables are the
+    allocator's live tables."""
     raise NotImplementedError(
         "Chapter 10, task 2: pad_decode_inputs() — see chapters/10-the-gpu-step/README.md#task-2")
 
 
 class DecodeGraphs(_GivenDecodeGraphs):
-    """Given: minicb/cuda_graphs.py's runner, on your functions above (these three methods are all it
-    changes). Read them to see where the runner calls each one."""
+    """Given: the runner described at the top of this file, on your functions above (these three
+    methods are all it changes). Read them to see where the runner calls each one."""
 
     def buckets_up_to(self, max_num_seqs: int) -> list[int]:
         return batch_buckets(max_num_seqs)  # once, when the runner is built: the graphs to capture

@@ -8,11 +8,11 @@ Run them against this file with
     MINICB_IMPL=student MINICB_IMPL_ONLY=speculative python -m minicb bench --workload repeat \
         --engines minicb-continuous,minicb-spec          # the benchmark, on your functions
 
-Given (minicb/speculative.py documents it): `verify`, which picks greedy or
-sampled verification for one request, and `Speculator`, the object the engine
-builds from this file (EngineConfig(speculative_ngram=3)) and the scheduler
-calls: `propose` before a step, `verify` after the forward, `rollback` in
-postprocess. Both are copied below so that they call *your* functions. The
+Given, written out below so that they call *your* functions: `verify`, which
+picks greedy or sampled verification for one request, and `Speculator`, the
+object the engine builds from this file (EngineConfig(speculative_ngram=3)) and
+the scheduler calls: `propose` before a step, `verify` after the forward,
+`rollback` in postprocess. Their docstrings say what each does. The
 scheduler (minicb/scheduler.py) already schedules a decoding request's newest
 token plus its drafts, 1 + k tokens, like a chunk of a prompt; the runner
 already returns logits at all 1 + k positions.
@@ -80,7 +80,14 @@ def rollback(allocator: BlockAllocator, seq: Sequence, num_rejected: int) -> Non
     """Task 3: forget the K/V of seq's last num_rejected computed tokens (rejected drafts).
     Step seq.num_computed_tokens back by num_rejected, and make the allocator keep token slots
     for the computed tokens only (allocator.truncate(seq_id, num_tokens)), so blocks past them
-    go back to the pool. num_rejected 0 changes nothing."""
+    go back to the pool. num_rejected 0 changes nothing.
+
+    allocator.truncate(seq_id, num_tokens) is given (chapter 03's allocator, and chapter 07's):
+    it keeps seq_id's first num_tokens token slots, drops the sequence's hold on every block
+    past them (a block nobody else holds is free again; with prefix caching a keyed one becomes
+    evictable), and returns None. It raises ValueError naming the count unless 0 <= num_tokens
+    <= the slots held, and UnknownSequenceError for an unknown seq_id, before changing anything.
+    seq.request_id is the sequence's allocator id."""
     raise NotImplementedError(
         "Chapter 11, task 3: rollback() — see chapters/11-speculative-decoding/README.md#task-3")
 
