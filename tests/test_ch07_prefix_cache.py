@@ -138,6 +138,28 @@ def test_empty_prompt_hits_nothing():
 
 
 @pytest.mark.task(2)
+def test_a_lookup_stops_at_the_first_missing_block():
+    # Requests 0 and 1 are admitted in one step, so both compute the first block; 0 registers
+    # it and 1 registers only its second. Evict 0's copy and key 1 is cached without key 0:
+    # a lookup that stepped over the miss would share block 1's K/V at position 0.
+    first, second = SYSTEM[:4], SYSTEM[4:]
+    allocator = pc().CachingBlockAllocator(num_blocks=7, block_size=4)  # evict() hands its block to the caller
+    allocator.allocate_prefix(0, first + [1])
+    allocator.allocate_prefix(1, first + second + [2])
+    allocator.cache_full_blocks(0, first + [1])
+    allocator.cache_full_blocks(1, first + second + [2])
+    allocator.free(0)
+    allocator.evict()
+    keys = pc().block_keys(first + second, 4)
+    state = (allocator.block_with_key(keys[0]), allocator.block_with_key(keys[1]))
+    assert state[0] is None and state[1] is not None, f"setup: blocks with keys 0 and 1 are {state}"
+    hits = allocator.cached_prefix(first + second + [3])
+    assert hits == [], (f"cached_prefix gave {hits}: block 0's key is not cached, so nothing is, "
+                        f"even though block {state[1]} holds key 1")
+    assert allocator.allocate_prefix(2, first + second + [3]) == 0, "allocate_prefix must find nothing cached too"
+
+
+@pytest.mark.task(2)
 def test_hits_are_revived_before_fresh_blocks_are_taken():
     # Every block is evictable, request 0's two at the front of the LRU. Request 1
     # hits them and needs 1 fresh block: that one must be evicted, not a hit.

@@ -17,8 +17,10 @@ GRADED_MODULE = "chunked_prefill"  # the one_task fixture (conftest.py) grades o
 pytestmark = pytest.mark.usefixtures("one_task")
 
 # (context_len, q_len, n_heads, n_kv_heads, head_dim): a chunk mid-sequence, GQA, a whole
-# prompt (q_len = context_len), a decode (q_len = 1), odd sizes.
-CASES = [(13, 5, 6, 2, 16), (9, 9, 4, 4, 8), (17, 1, 6, 3, 16), (7, 3, 2, 1, 24), (20, 11, 3, 3, 4)]
+# prompt (q_len = context_len), a decode (q_len = 1), odd sizes; and chunks of 16 and 33 new
+# tokens, which fill a kernel's query tile of 16 (or 32) rows exactly, then spill one row over.
+CASES = [(13, 5, 6, 2, 16), (9, 9, 4, 4, 8), (17, 1, 6, 3, 16), (7, 3, 2, 1, 24), (20, 11, 3, 3, 4),
+         (16, 16, 2, 1, 8), (40, 33, 2, 2, 16)]
 
 
 def cp():

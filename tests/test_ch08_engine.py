@@ -131,6 +131,50 @@ def test_a_request_preempted_mid_prefill_comes_back_with_the_same_tokens(tiny, c
 
 
 @pytest.mark.task(1)
+def test_a_request_that_comes_back_after_its_cached_prefix_was_evicted_computes_it_again(tiny):
+    # R's first admission finds 16 tokens cached (A computed them). R is preempted, and while it
+    # waits B and C evict every cached block. Admitted again, R finds nothing cached: it must
+    # start from position 0, not from the 16 of its first admission.
+    shared = [(17 * i) % 200 + 3 for i in range(16)]
+    a, b, c, r = shared + [1, 2, 3], [(7 * i) % 240 + 5 for i in range(40)], list(range(20, 8, -1)), shared + [7, 8, 9]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want, _ = run(tiny, [b, c, r], params, num_blocks=64)
+    llm = LLM.from_model(tiny, block_size=4, max_num_seqs=4, num_blocks=20, enable_chunked_prefill=True,
+                         max_num_batched_tokens=7, enable_prefix_caching=True, keep_traces=None)
+    engine = llm.engine
+    engine.add_request(a, SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    ids = [engine.add_request(p, params) for p in (b, c, r)]
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({seq.request_id: seq.output_token_ids for seq in engine.step().finished})
+    for name, rid, w in zip("BCR", ids, want):
+        assert outputs[rid] == w.outputs[0].token_ids, (
+            f"request {name}: {first_difference(outputs[rid], w.outputs[0].token_ids, ('chunked', 'whole'))}")
+    admissions = [cached for trace in engine.traces for rid, cached in trace.cached_tokens if rid == ids[2]]
+    assert admissions[:2] == [16, 0], (f"setup: R should be admitted with 16 tokens cached, preempted, and "
+                                       f"admitted again with none; its admissions found {admissions}")
+
+
+@pytest.mark.task(1)
+@pytest.mark.parametrize("budget", [7, 64])
+def test_cached_prompt_tokens_are_not_computed_again(tiny, budget):
+    # What the steps computed, added up, is what the requests needed: each its prompt past
+    # the cached prefix, then one token per output after the first. Right tokens are not
+    # enough: a scheduler that recomputes the cached prefix gives them too, at a cost.
+    prompts = prompts_for(3)
+    outs, llm = run(tiny, prompts, SamplingParams(max_tokens=8), enable_chunked_prefill=True,
+                    max_num_batched_tokens=budget, enable_prefix_caching=True, num_blocks=256)
+    assert sum(o.metrics.num_preemptions for o in outs) == 0, "setup: a roomy pool preempts nobody"
+    assert sum(o.metrics.num_cached_tokens for o in outs) > 0, "setup: prompts share a start, some should hit"
+    need = sum(len(p) - o.metrics.num_cached_tokens + len(o.outputs[0].token_ids) - 1 for p, o in zip(prompts, outs))
+    computed = sum(t.num_tokens for t in llm.traces)
+    assert computed == need, (f"budget {budget}: the steps computed {computed} tokens; the requests needed {need} "
+                              f"(prompts past their cached prefix, then one per output after the first)")
+
+
+@pytest.mark.task(1)
 def test_n_4_and_seeded_sampling_match_whole_prompt_admission(tiny):
     prompts = prompts_for(2, 4)
     for params in (SamplingParams(max_tokens=9, n=4),

@@ -9,6 +9,8 @@ logits are those of the eager runner's step, with 0, 1 or 5 padding rows.
 
 Run against your own code with `python -m minicb check 10`.
 """
+import copy
+
 import pytest
 import torch
 
@@ -35,7 +37,12 @@ def padded_by_hand(token_ids, positions, slots, block_tables, bucket, scratch_bl
 
 
 def compare(args) -> None:
+    before = copy.deepcopy(args)
     got_inputs, got_tables = impl.load("cuda_graphs").pad_decode_inputs(*args)
+    # The lists are the scheduler's own (block_tables are the allocator's live tables): padding
+    # them in place would hand every later step scratch blocks as if they were the sequence's.
+    assert args == before, (f"pad_decode_inputs changed its arguments: {before} became {args}; "
+                            f"pad copies, never the caller's lists")
     want_inputs, want_tables = padded_by_hand(*args)
     for name, got, want in (("inputs", got_inputs, want_inputs), ("tables", got_tables, want_tables)):
         assert isinstance(got, torch.Tensor), f"{name} is a {type(got).__name__}, want a torch.Tensor"

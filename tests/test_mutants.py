@@ -14,8 +14,10 @@ reference changes so that an edit no longer applies, the test says which.
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -36,6 +38,9 @@ class Mutant:
     # Reference functions to define again in the mutant's file, unchanged, so that they
     # call the mutated function (a copied function still calls the reference's).
     recompile: tuple[str, ...] = ()
+    # Source of a student's own solution to mutate instead of the reference's `target`
+    # (chapter 08's kernel: the reference hands the chunk to a shared kernel instead).
+    source: str = ""
 
 
 # The exercises' own wrapper, so the reference loop runs the mutated run_batch.
@@ -57,6 +62,66 @@ class DecodeGraphs(_reference.DecodeGraphs):
         return pad_decode_inputs(token_ids, positions, slots, block_tables, bucket, self.scratch_block,
                                  self.pool.block_size, self.max_blocks)
 """
+
+# Chapter 08, task 3 as a student writes it: a kernel of its own over dense K/V, one program
+# per tile of BLOCK_M new tokens and one query head, walking the keys in tiles of BLOCK_N
+# with an online softmax. test_the_unmutated_sources_pass holds it to the chapter's tests.
+STUDENT_CHUNK_KERNEL = """
+from minicb.triton_mode import choose_triton_mode
+choose_triton_mode()
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_len, context_len, scale,
+                  N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile, head = tl.program_id(0), tl.program_id(1)
+    kv_head = head // (N_HEADS // N_KV_HEADS)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] new-token indices
+    dims = tl.arange(0, DIM)  # [DIM] (head_dim rounded up to a power of 2)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + (rows[:, None] * N_HEADS + head) * HEAD_DIM + dims[None, :],
+                mask=(rows < q_len)[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, DIM]
+    positions = context_len - q_len + rows  # [BLOCK_M]
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+    hi = context_len - q_len + tl.minimum(tile * BLOCK_M + BLOCK_M, q_len)  # keys the tile's last row sees
+    for start in range(0, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        kv_mask = (keys < hi)[:, None] & dim_ok[None, :]
+        offsets = (keys[:, None] * N_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, DIM]
+        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where((keys[None, :] <= positions[:, None]) & (keys[None, :] < hi), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m = m_new
+    tl.store(o_ptr + (rows[:, None] * N_HEADS + head) * HEAD_DIM + dims[None, :], acc / l[:, None],
+             mask=(rows < q_len)[:, None] & dim_ok[None, :])
+
+
+def chunk_attention_triton(q, k, v, scale=None):
+    _check_chunk(q, k, v)
+    q_len, n_heads, head_dim = q.shape
+    if q_len == 0:
+        return q.clone()
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    q32, k32, v32 = (t.float().contiguous() for t in (q, k, v))
+    out = torch.empty_like(q32)
+    grid = (triton.cdiv(q_len, 16), n_heads)
+    _chunk_kernel[grid](q32, k32, v32, out, q_len, k.shape[0], scale, n_heads, k.shape[1], head_dim,
+                        triton.next_power_of_2(head_dim), BLOCK_M=16, BLOCK_N=16)
+    return out.to(q.dtype)
+"""
+# Chapter 08's admission, overridden in the exercise file (the rest of the loop is given).
+ADMIT_IMPORTS = "from minicb.scheduler import RequestStatus\n"
 
 # Chapter 11's given code, written again in the mutant's file so that it calls the mutated function.
 SPECULATOR_GIVEN = ("verify", "Speculator")
@@ -152,6 +217,25 @@ MUTANTS = [
            [("if key is None:", "if True:")]),
     Mutant(7, 4, "append writes into a shared partial block instead of copying it", "CachingBlockAllocator.append",
            [("elif self._ref_counts[table[-1]] > 1:", "elif False:")]),
+    Mutant(7, 2, "the lookup steps over a missing block and keeps counting later hits, so the hit has a hole",
+           "CachingBlockAllocator.cached_prefix", [("break  # a prefix tree", "continue  # a prefix tree")]),
+    Mutant(7, 1, "block_keys leaves out a last block that is exactly full", "block_keys",
+           [("len(token_ids) - block_size + 1", "len(token_ids) - block_size")]),
+    Mutant(7, 1, "cache_full_blocks gives a key to the block of a prompt's tokens not yet computed",
+           "CachingBlockAllocator.cache_full_blocks",
+           [("if len(token_ids) > num_tokens:", "if False:")]),
+    Mutant(7, 2, "allocate_prefix shares the cached hits without counting the new holder",
+           "CachingBlockAllocator.allocate_prefix", [("self._ref_counts[block] += 1", "pass")]),
+    Mutant(7, 2, "allocate_prefix takes its fresh blocks before reviving its hits, so it may evict one of them",
+           "CachingBlockAllocator.allocate_prefix",
+           [("    for block in revived:\n        del self._evictable[block]\n",
+             "    fresh = self._take(num_fresh, f\"allocating sequence {seq_id!r}\")\n"
+             "    for block in revived:\n        self._evictable.pop(block, None)\n"),
+            ("table = hits + self._take(num_fresh, f\"allocating sequence {seq_id!r}\")", "table = hits + fresh")]),
+    Mutant(7, 3, "evict hands the block out but leaves its key in the lookup", "CachingBlockAllocator.evict",
+           [("del self._block_of_key[key], self._key_of_block[block]", "del self._key_of_block[block]")]),
+    Mutant(7, 3, "a freed block with a key is evictable but also goes on the plain free list",
+           "CachingBlockAllocator._drop", [("if key is None:", "self._free.append(block)\n        if key is None:")]),
     # ---- chapter 08: chunked prefill
     Mutant(8, 1, "chunk_size ignores the budget", "chunk_size", [("min(num_remaining, budget)", "num_remaining")],
            recompile=("ChunkedScheduler",)),
@@ -163,6 +247,28 @@ MUTANTS = [
            [("torch.arange(context_len - q_len, context_len,", "torch.arange(0, q_len,")]),
     Mutant(8, 3, "the Triton wrapper tells the kernel one key fewer", "chunk_attention_triton",
            [("torch.tensor([context_len], **int32)", "torch.tensor([context_len - 1], **int32)")]),
+    Mutant(8, 3, "the chunk kernel stops one key short on a full tile of new tokens", "chunk_attention_triton",
+           [("tl.minimum(tile * BLOCK_M + BLOCK_M, q_len)", "tl.minimum(tile * BLOCK_M + BLOCK_M - 1, q_len)")],
+           source=STUDENT_CHUNK_KERNEL),
+    Mutant(8, 1, "a request admitted again after preemption resumes from the cached count of its first admission",
+           "ChunkedScheduler.admit", [("RequestStatus.RUNNING, cached", "RequestStatus.RUNNING, seq.num_cached_tokens")],
+           ADMIT_IMPORTS),
+    Mutant(8, 1, "every admission computes its cached prefix again (right tokens, wasted work)",
+           "ChunkedScheduler.admit", [("RequestStatus.RUNNING, cached", "RequestStatus.RUNNING, 0")], ADMIT_IMPORTS),
+    Mutant(8, 1, "chunk_size lets a chunk run one token over the budget", "chunk_size",
+           [("min(num_remaining, budget)", "min(num_remaining, budget + 1)")], recompile=("ChunkedScheduler",)),
+    Mutant(8, 2, "the offset mask hides each new token's own key", "offset_causal_mask",
+           [("keys[None, :] <= positions[:, None]", "keys[None, :] < positions[:, None]")]),
+    Mutant(8, 2, "chunk_attention pairs query head h with KV head h % n_kv_heads", "chunk_attention",
+           [("k.repeat_interleave(group, dim=1)", "k.repeat(1, group, 1)"),
+            ("v.repeat_interleave(group, dim=1)", "v.repeat(1, group, 1)")]),
+    Mutant(8, 3, "the chunk kernel's causal mask forgets the chunk's offset: new token r sees keys up to r",
+           "chunk_attention_triton", [("positions = context_len - q_len + rows", "positions = rows")],
+           source=STUDENT_CHUNK_KERNEL),
+    Mutant(8, 2, "chunk_attention ignores a scale it is given", "chunk_attention",
+           [("scale = 1.0 / math.sqrt(head_dim) if scale is None else scale", "scale = 1.0 / math.sqrt(head_dim)")]),
+    Mutant(8, 2, "chunk_attention's default scale is 1/head_dim", "chunk_attention",
+           [("1.0 / math.sqrt(head_dim) if scale is None", "1.0 / head_dim if scale is None")]),
     # ---- chapter 09: the server's engine thread (one per task: each costs ~15 s of the suite)
     Mutant(9, 1, "a request leaves owners when its first completion finishes, so its other completions' "
            "tokens are dropped", "group_step",
@@ -173,11 +279,38 @@ MUTANTS = [
     Mutant(9, 2, "an abort of completion 0 is read as an abort of the whole request (0 is falsy)",
            "apply_commands", [("engine.abort(rid, completion)", "engine.abort(rid, completion or None)"),
                               ("if completion is None or", "if not completion or")]),
+    Mutant(9, 1, "group_step sends every token to completion 0", "group_step",
+           [(".append(Token(t.completion, t.token))", ".append(Token(0, t.token))")]),
+    Mutant(9, 1, "group_step does not record a finished completion as ended, so its request never leaves",
+           "group_step", [("        handle.ended.add(seq.completion)\n", "")]),
+    Mutant(9, 2, "a refused add stops the other commands of the batch", "apply_commands",
+           [("                continue\n            handle.request_id = rid", "                break\n"
+             "            handle.request_id = rid")]),
+    Mutant(9, 2, "an abort of one completion of n removes the whole request from owners", "apply_commands",
+           [("if completion is None or len(handle.ended) == handle.params.n:", "if True:")]),
+    Mutant(9, 2, "an abort of a request that has already ended is not skipped", "apply_commands",
+           [("            if rid not in owners:\n                continue", "            if False:\n                continue")]),
     # ---- chapter 10: the GPU step
     Mutant(10, 1, "the buckets leave out max_num_seqs when it is not a multiple of 8", "batch_buckets",
            [("sizes.add(max_num_seqs)", "pass")], DECODE_GRAPHS_SUBCLASS),
     Mutant(10, 2, "padding rows write their K/V into slot 0, a real sequence's block", "pad_decode_inputs",
            [("scratch_slot = scratch_block * block_size", "scratch_slot = 0")], DECODE_GRAPHS_SUBCLASS),
+    Mutant(10, 2, "padding a step writes the scratch block into the caller's own block tables", "pad_decode_inputs",
+           [("tables[:n, :longest] = torch.tensor([t + [scratch_block] * (longest - len(t)) for t in block_tables],",
+             "for t in block_tables:\n        t += [scratch_block] * (longest - len(t))\n"
+             "    tables[:n, :longest] = torch.tensor(block_tables,")], DECODE_GRAPHS_SUBCLASS),
+    Mutant(10, 1, "smallest_bucket picks the largest bucket that holds the rows", "smallest_bucket",
+           [("next((b for b in buckets if b >= num_seqs), None)",
+             "next((b for b in reversed(buckets) if b >= num_seqs), None)")], DECODE_GRAPHS_SUBCLASS),
+    Mutant(10, 1, "batch_buckets keeps 1, 2, 4 and 8 even past max_num_seqs", "batch_buckets",
+           [("if b < max_num_seqs}", "}")], DECODE_GRAPHS_SUBCLASS),
+    Mutant(10, 2, "a real row's context length is its position, one token short", "pad_decode_inputs",
+           [("[p + 1 for p in positions]", "list(positions)")], DECODE_GRAPHS_SUBCLASS),
+    Mutant(10, 2, "padding rows write their K/V to the scratch block's last slot, past a block", "pad_decode_inputs",
+           [("scratch_slot = scratch_block * block_size", "scratch_slot = (scratch_block + 1) * block_size")],
+           DECODE_GRAPHS_SUBCLASS),
+    Mutant(10, 2, "a real row's table is padded with block 0, not the scratch block", "pad_decode_inputs",
+           [("t + [scratch_block] * (longest - len(t))", "t + [0] * (longest - len(t))")], DECODE_GRAPHS_SUBCLASS),
     # ---- chapter 11: speculative decoding (verify and Speculator written again, so the engine calls the bug)
     Mutant(11, 1, "prompt lookup takes the earliest match of the last n tokens, not the latest", "propose_ngram",
            [("range(len(token_ids) - n - 1, -1, -1)", "range(len(token_ids) - n)")],
@@ -191,7 +324,35 @@ MUTANTS = [
     Mutant(11, 3, "rollback steps the computed count back but keeps the rejected drafts' slots and blocks",
            "rollback", [("allocator.truncate(seq.request_id, seq.num_computed_tokens - num_rejected)", "pass")],
            recompile=SPECULATOR_GIVEN),
+    Mutant(11, 1, "prompt lookup ignores k and proposes the whole continuation", "propose_ngram",
+           [("token_ids[start + n:start + n + k]", "token_ids[start + n:]")], recompile=SPECULATOR_GIVEN),
+    Mutant(11, 1, "prompt lookup lets the last n tokens match themselves, so it never proposes", "propose_ngram",
+           [("range(len(token_ids) - n - 1, -1, -1)", "range(len(token_ids) - n, -1, -1)")],
+           recompile=SPECULATOR_GIVEN),
+    Mutant(11, 2, "greedy verification compares each draft with the next position's choice", "accept_greedy",
+           [("if draft != argmax[i]:", "if draft != argmax[i + 1] if i + 1 < len(argmax) else True:")],
+           recompile=SPECULATOR_GIVEN),
+    Mutant(11, 2, "rejection sampling accepts with probability q(x) / p(x)", "rejection_sample",
+           [("if u * q[x] < p[x]:", "if u * p[x] < q[x]:")], recompile=SPECULATOR_GIVEN),
+    Mutant(11, 2, "after a rejection the loop goes on to the next draft", "rejection_sample",
+           [("        return tokens\n", "        continue\n")], recompile=SPECULATOR_GIVEN),
+    Mutant(11, 3, "rollback frees the rejected drafts' slots and one more", "rollback",
+           [("seq.num_computed_tokens - num_rejected)", "seq.num_computed_tokens - num_rejected - 1)")],
+           recompile=SPECULATOR_GIVEN),
+    Mutant(11, 3, "rollback steps the computed count back but truncates the slots to the old count", "rollback",
+           [("seq.num_computed_tokens - num_rejected)", "seq.num_computed_tokens)")], recompile=SPECULATOR_GIVEN),
 ]
+
+
+def code_of(source: str) -> str:
+    """The code of `source` without its docstrings and comments, to compare two versions."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def mutant_source(mutant: Mutant) -> str:
@@ -199,12 +360,18 @@ def mutant_source(mutant: Mutant) -> str:
     module = impl.module_for_chapter(mutant.chapter)
     reference = __import__(f"minicb.{module}", fromlist=["_"])
     owner, _, method = mutant.target.rpartition(".")
-    code = getattr(getattr(reference, owner), method) if owner else getattr(reference, mutant.target)
-    source = textwrap.dedent(inspect.getsource(code))
+    if mutant.source:
+        source = mutant.source
+    else:
+        code = getattr(getattr(reference, owner), method) if owner else getattr(reference, mutant.target)
+        source = textwrap.dedent(inspect.getsource(code))
+    original = source
     for old, new in mutant.edits:
         assert old in source, (f"chapter {mutant.chapter} mutant '{mutant.bug}': the reference's "
                                f"{mutant.target} no longer contains {old!r}; update the mutant")
         source = source.replace(old, new, 1)
+    assert not mutant.edits or code_of(source) != code_of(original), (
+        f"chapter {mutant.chapter} mutant '{mutant.bug}': the edits change only a docstring or a comment")
     # The reference's own source is compiled as its module compiles it: annotations postponed (every
     # chapter module has the __future__ import), so a name imported only for type checking, such as
     # chapter 11's BlockAllocator, does not break the definition.
@@ -218,20 +385,41 @@ def mutant_source(mutant: Mutant) -> str:
     return "\n".join(lines) + "\n" + mutant.extra
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"ch{m.chapter}-task{m.task}-{m.bug[:40]}")
-def test_check_fails_the_mutant(mutant, tmp_path):
-    path = tmp_path / f"mutant_ch{mutant.chapter}.py"
+def mutant_id(mutant: Mutant) -> str:
+    return f"ch{mutant.chapter}-task{mutant.task}-{mutant.bug[:40]}"
+
+
+def grade(mutant: Mutant, folder) -> check.Report:
+    """Write the mutant out as an exercise file and grade it as `check N --file` does."""
+    path = folder / f"mutant_ch{mutant.chapter}_{abs(hash(mutant.bug))}.py"
     path.write_text(mutant_source(mutant))
     # A file that does not run fails every test too, which would prove nothing: it must load here first.
     try:
-        impl.load_file(path, f"minicb_mutant_ch{mutant.chapter}", reload=True)
+        impl.load_file(path, f"minicb_mutant_{path.stem}", reload=True)
     except Exception as error:
-        pytest.fail(f"the mutant file does not even run, so a failed grade proves nothing: {error!r}")
+        raise AssertionError(f"the mutant file does not even run, so a failed grade proves nothing: {error!r}")
     # Only the mutated task's tests and the integration row, and -x: the first failure is
     # enough (and hypothesis' 10,000 cases would take a minute).
-    report = check.run_tests(mutant.chapter, path, ["-m", "not slow", "-x", "-k", "not hypothesis"],
-                             tasks=[mutant.task, "all"])
-    assert not report.errors, f"the mutant did not even load, so this proves nothing: {report.errors}"
+    # A time limit too: a mutant that makes the engine loop forever must fail this file, not hang it.
+    return check.run_tests(mutant.chapter, path, ["-m", "not slow", "-x", "-k", "not hypothesis"],
+                           tasks=[mutant.task, "all"], timeout=300)
+
+
+@pytest.fixture(scope="module")
+def grades(request, tmp_path_factory):
+    """Every selected mutant's grade, two at a time: each is a child pytest that mostly waits on
+    imports, so two share the machine's cores well and halve this file's time."""
+    selected = [item.callspec.params["mutant"] for item in request.session.items
+                if getattr(item, "callspec", None) and "mutant" in item.callspec.params]
+    folder = tmp_path_factory.mktemp("mutants")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {id(m): pool.submit(grade, m, folder) for m in selected}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=mutant_id)
+def test_check_fails_the_mutant(mutant, grades):
+    report = grades[id(mutant)].result()
+    assert not report.errors, f"the grade did not run to its end, so this proves nothing: {report.errors}"
     failed = [r for r in report.results if r.outcome == "failed"]
     assert failed, (f"check {mutant.chapter} passed a submission whose task {mutant.task} has a bug: "
                     f"{mutant.bug} ({len(report.results)} tests ran)")
@@ -243,6 +431,14 @@ def test_the_unmutated_reference_passes(tmp_path):
     path.write_text(mutant_source(Mutant(6, 1, "none", "Scheduler.admit", [])))
     report = check.run_tests(6, path, ["-m", "not slow"])
     assert report.passed, (f"the reference, written out as an exercise file, should pass check 6: "
+                           f"{[(r.nodeid, r.message) for r in report.results if r.outcome == 'failed']} "
+                           f"{report.errors}")
+
+
+def test_the_unmutated_student_kernel_passes(tmp_path):
+    # The control for the mutants of a student's own chunk kernel: as written, it passes task 3.
+    report = grade(Mutant(8, 3, "none", "chunk_attention_triton", [], source=STUDENT_CHUNK_KERNEL), tmp_path)
+    assert report.passed, (f"the student-style chunk kernel, unmutated, should pass check 8's task 3: "
                            f"{[(r.nodeid, r.message) for r in report.results if r.outcome == 'failed']} "
                            f"{report.errors}")
 

@@ -145,6 +145,11 @@ def slowest_task(report: dict) -> dict:
     return max(candidates, key=lambda t: t["seconds"])
 
 
+def tally(report: dict) -> dict:
+    """Each task's passed / total / skipped tests, for the chapter text's "PASS on every row" line."""
+    return {t["task"]: [t["passed"], t["total"], t["skipped"]] for t in report["tasks"]}
+
+
 def measure_chapter(chapter: int, full: bool) -> dict:
     """One chapter's figures: the quick grade, its slowest task alone, and (with full) the full grade."""
     run, report = graded(chapter)
@@ -153,10 +158,12 @@ def measure_chapter(chapter: int, full: bool) -> dict:
     figures = {"chapter": chapter, "module": impl.module_for_chapter(chapter),
                "check_s": round(run.seconds, 1), "peak_rss_mib": round(run.peak_rss_mib),
                "slowest_task": task["task"], "slowest_task_tests_s": task["seconds"],
-               "task_s": round(task_run.seconds, 1), "task_peak_rss_mib": round(task_run.peak_rss_mib)}
+               "task_s": round(task_run.seconds, 1), "task_peak_rss_mib": round(task_run.peak_rss_mib),
+               "tasks": tally(report)}
     if full:
-        full_run, _ = graded(chapter, "--full")
-        figures.update(full_s=round(full_run.seconds, 1), full_peak_rss_mib=round(full_run.peak_rss_mib))
+        full_run, full_report = graded(chapter, "--full")
+        figures.update(full_s=round(full_run.seconds, 1), full_peak_rss_mib=round(full_run.peak_rss_mib),
+                       full_tasks=tally(full_report))
     return figures
 
 
@@ -173,7 +180,7 @@ def machine() -> dict:
         memory_gib = round(kib / 2**20, 1)
     except (OSError, StopIteration):
         pass  # not Linux: keep what platform knows
-    # The settings that move the figures (README, "Threads on a busy machine"; MINICB_DEVICE=cuda on a GPU).
+    # The settings that move the figures (docs/results.md, "Threads on a busy machine"; MINICB_DEVICE=cuda on a GPU).
     env = {k: CALLER_ENV[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MINICB_DEVICE")
            if k in CALLER_ENV}
     return {"cpus": cpus, "cpu_model": model, "memory_gib": memory_gib, "python": platform.python_version(),
