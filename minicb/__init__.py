@@ -19,14 +19,15 @@ import sys
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from minicb.sampling import SamplingParams  # noqa: E402
-
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
 
 def __getattr__(name):
-    # LLM pulls in torch, transformers and the engine; load it on first use so
-    # `import minicb.trace` or `minicb.viz` stays light.
+    # LLM pulls in torch, transformers and the engine, SamplingParams torch; load them
+    # on first use so `import minicb.trace` or `python -m minicb serve --help` stays light.
+    if name == "SamplingParams":
+        from minicb.sampling import SamplingParams
+        return SamplingParams
     if name in ("LLM", "RequestOutput"):
         from minicb import llm
         return getattr(llm, name)

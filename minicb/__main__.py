@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minicb.cli_args import add_model_args  # --model, --device, --dtype (bench adds them too)
+from minicb.cli_args import add_engine_args, add_model_args, engine_config  # bench and serve add them too
 
 
 def cmd_generate(args) -> int:
@@ -26,7 +26,7 @@ def cmd_generate(args) -> int:
         raise ValueError("the prompt is empty; give some text to answer")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, **engine_config(args))
     if llm.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer files, so text prompts cannot be encoded")
     # An instruct model expects its chat template around the question; --raw skips
@@ -50,7 +50,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+# The demo's engine: 8 slots (see below), and every step's trace kept for its timelines.
+DEMO_ENGINE_DEFAULTS = {"max_num_seqs": 8, "keep_traces": None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser; generate and demo parse here, the others get the rest of the line."""
     ap = argparse.ArgumentParser(prog="python -m minicb", description="minicb: learn LLM serving by building it.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     # One subcommand per job. The module docstring doubles as the help's epilog,
@@ -67,16 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--attention", default="torch", choices=["torch", "triton"])
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_engine_args(g)  # every EngineConfig field: --attention triton, --no-cuda-graphs, ...
 
     # The demo's defaults keep `make demo` to about two minutes on a 2-core CPU (121 s measured).
+    # Its slots (--max-num-seqs, or --slots) are the static batch size and the engine's alike.
     d = sub.add_parser("demo", help="static vs continuous batching on the bundled prompts, with slot timelines")
     add_model_args(d)
     d.add_argument("--num-prompts", type=int, default=24)
-    d.add_argument("--slots", type=int, default=8)
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--png", default="build/demo_timeline.png")
+    add_engine_args(d, defaults=DEMO_ENGINE_DEFAULTS, aliases={"max_num_seqs": ["--slots"]})
 
     # These parse their own arguments (python -m minicb bench --help), so the
     # rest of the command line is handed to them untouched.
@@ -86,9 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("serve", help="serve the model over HTTP (OpenAI API, /metrics, dashboard)", add_help=False)
     sub.add_parser("bench-serve", help="load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",
                    add_help=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args, rest = ap.parse_known_args(argv)
-    if args.command in ("generate", "demo", "bench", "serve"):
+    if args.command in ("generate", "demo", "bench"):
         # Triton must know before its first import whether to interpret (no GPU) or compile.
+        # (serve chooses after reading its flags, so that `serve --help` needs no torch.)
         from minicb.triton_mode import choose_triton_mode
         choose_triton_mode()
 

@@ -56,6 +56,7 @@ def main(args) -> int:
     import torch
 
     from minicb import impl
+    from minicb.cli_args import engine_config
     from minicb.data import load_chat_prompts
     from minicb.llm import LLM
     from minicb.sampling import SamplingParams
@@ -74,12 +75,12 @@ def main(args) -> int:
     # Greedy, so both engines must produce the same tokens: any difference in the
     # summary comes from scheduling, never from different answers.
     params = SamplingParams(max_tokens=args.max_tokens)  # greedy
-    print(f"{len(prompts)} chat prompts, {args.slots} slots, greedy, max_tokens {args.max_tokens}\n")
+    print(f"{len(prompts)} chat prompts, {args.max_num_seqs} slots, greedy, max_tokens {args.max_tokens}\n")
 
     # Static: prompts go in fixed batches of `slots`; each batch runs until its
     # longest answer ends, and finished rows sit idle (the grey in the timeline).
     print("static batching (chapter 02) ...", flush=True)
-    static = run_static(model, prompts, params, batch_size=args.slots)
+    static = run_static(model, prompts, params, batch_size=args.max_num_seqs)
     print("continuous batching (chapter 06) ...", flush=True)
     # Say exactly whose code runs: the engine loads these modules through impl.load.
     engine_modules = ("block_allocator", "scheduler", "paged_attention")
@@ -89,7 +90,8 @@ def main(args) -> int:
               f"{' and the reference ' + ', '.join(m for m in engine_modules if m not in yours) if len(yours) < 3 else ''}")
     # Continuous: the same number of slots, but a finished request leaves at once
     # and the next waiting one takes its slot in the following step.
-    llm = LLM.from_model(model, tokenizer, max_num_seqs=args.slots)
+    # The engine takes every engine flag (--max-num-seqs / --slots, --attention, ...).
+    llm = LLM.from_model(model, tokenizer, **engine_config(args))
     try:
         outputs = llm.generate(prompts, params)
     except NotImplementedError as e:

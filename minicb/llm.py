@@ -9,17 +9,21 @@ Prompts are strings (tokenized as they are), token-id lists, or, through
 `chat`, lists of {"role", "content"} messages (the model's chat template is
 applied). Everything is checked before anything is queued: a bad request raises
 a ValueError naming what was wrong, and the same `LLM` keeps serving.
+
+`build(model, **engine_config)` makes what an `LLM` runs on (the model, its
+tokenizer, an engine); the server (minicb/serve/server.py) uses it too. Engine
+settings are EngineConfig's fields by name (minicb/config.py says what each does).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass, field, fields
+from typing import Iterator, NamedTuple
 
 from minicb.engine import Engine, EngineConfig
 from minicb.model import Model
 from minicb.sampling import SamplingParams
-from minicb.scheduler import Sequence
+from minicb.scheduler import RequestRejected, Sequence
 from minicb.trace import StepTrace
 
 
@@ -92,57 +96,73 @@ class StreamEvent:
     completion: int = 0  # which of the request's n completions the token belongs to
 
 
+class Built(NamedTuple):
+    """What `build` makes: a model, its tokenizer (None if it has none) and an engine on the model."""
+
+    model: Model
+    tokenizer: object | None  # minicb.tokenizer.Tokenizer: encode, decode, apply_chat_template
+    engine: Engine
+
+
+def engine_config_from(settings: dict) -> EngineConfig:
+    """EngineConfig from {field: value}, refusing a name that is not a field, with the allowed ones."""
+    names = [f.name for f in fields(EngineConfig)]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise TypeError(f"unknown engine setting(s) {', '.join(map(repr, unknown))}; the settings are "
+                        f"EngineConfig's fields (minicb/config.py): {', '.join(names)}")
+    return EngineConfig(**settings)
+
+
+def build(model: str | None = None, device: str | None = None, dtype: str = "float32", **engine_config) -> Built:
+    """Load a model and its tokenizer and build an engine on them: what `LLM` and the server run.
+
+    model: None for the embedded SmolLM2, a .gguf file, or an HF checkpoint directory.
+    device: None for cuda when available, else cpu. engine_config: EngineConfig's
+    fields, checked by name before anything loads; unset ones keep its defaults.
+    """
+    from minicb.tokenizer import load_tokenizer
+    from minicb.weights import load_model
+
+    config = engine_config_from(engine_config)  # a misspelt setting costs no loading time
+    net = load_model(model, device=device, dtype=dtype)
+    tokenizer = None
+    try:
+        tokenizer = load_tokenizer(model)
+    except (OSError, ValueError):
+        if model is None:
+            raise  # the embedded model always has a tokenizer; this is a real error
+    return Built(net, tokenizer, Engine(net, config))
+
+
 class LLM:
     """A model, its tokenizer and a continuous-batching engine."""
 
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str = "float32",
-                 block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 32,
-                 attention: str = "torch", max_num_batched_tokens: int = 4096,
-                 keep_traces: int | None = None, enable_prefix_caching: bool = False,
-                 enable_chunked_prefill: bool = False, cuda_graphs: bool | None = None,
-                 speculative_ngram: int | None = None, num_speculative_tokens: int = 4):
+                 **engine_config):
         """model: None for the embedded SmolLM2, a .gguf file, or an HF checkpoint directory.
         device: None for cuda when available, else cpu.
-        keep_traces: the StepTraces of each call to keep in `llm.traces` for the pictures:
-        None every step, N the last N, 0 none (for a long-running caller).
-        enable_prefix_caching: share computed prompt blocks between requests that start
-        alike (minicb/prefix_cache.py); metrics.num_cached_tokens says how many.
-        enable_chunked_prefill: cut long prompts into chunks so that no step computes more
-        than max_num_batched_tokens tokens (minicb/chunked_prefill.py).
-        cuda_graphs: replay decode-only steps from CUDA graphs (minicb/cuda_graphs.py); None
-        turns them on for CUDA with attention="triton"; a CPU has none.
-        speculative_ngram, num_speculative_tokens: speculative decoding by prompt lookup
-        (minicb/speculative.py): a decoding request proposes up to num_speculative_tokens
-        tokens that followed an earlier occurrence of its last speculative_ngram tokens,
-        and one forward verifies them. None (the default) turns it off."""
-        from minicb.tokenizer import load_tokenizer
-        from minicb.weights import load_model
-
-        net = load_model(model, device=device, dtype=dtype)
-        tokenizer = None
-        try:
-            tokenizer = load_tokenizer(model)
-        except (OSError, ValueError):
-            if model is None:
-                raise  # the embedded model always has a tokenizer; this is a real error
-        self._setup(net, tokenizer, EngineConfig(
-            block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs, attention=attention,
-            max_num_batched_tokens=max_num_batched_tokens, keep_traces=keep_traces,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            cuda_graphs=cuda_graphs, speculative_ngram=speculative_ngram,
-            num_speculative_tokens=num_speculative_tokens))
+        engine_config: the engine's settings, EngineConfig's fields by name; each field's help
+        in minicb/config.py (or `python -m minicb serve --help`) says what it does. Among them:
+        max_num_seqs (slots), num_blocks (the KV pool), attention ("torch" or "triton"),
+        enable_prefix_caching (chapter 07; metrics.num_cached_tokens says how many prompt
+        tokens it served), enable_chunked_prefill with max_num_batched_tokens (chapter 08),
+        cuda_graphs (chapter 10), speculative_ngram and num_speculative_tokens (chapter 11).
+        keep_traces: the StepTraces of each call to keep in `llm.traces` for the pictures;
+        here None (every step) unless given: N the last N, 0 none (for a long-running caller).
+        An unknown setting raises a TypeError that lists the allowed ones."""
+        self._setup(*build(model, device, dtype, **{"keep_traces": None, **engine_config}))
 
     @classmethod
     def from_model(cls, net: Model, tokenizer=None, **engine_config) -> "LLM":
         """Wrap an already built model, e.g. `minicb.model.random_model()` in tests.
         engine_config: EngineConfig's fields; keep_traces defaults to None (every step), as above."""
         llm = cls.__new__(cls)
-        llm._setup(net, tokenizer, EngineConfig(**{"keep_traces": None, **engine_config}))
+        llm._setup(net, tokenizer, Engine(net, engine_config_from({"keep_traces": None, **engine_config})))
         return llm
 
-    def _setup(self, net: Model, tokenizer, config: EngineConfig) -> None:
-        self.model, self.tokenizer = net, tokenizer
-        self.engine = Engine(net, config)
+    def _setup(self, net: Model, tokenizer, engine: Engine) -> None:
+        self.model, self.tokenizer, self.engine = net, tokenizer, engine
 
     @property
     def traces(self) -> list[StepTrace]:
@@ -170,10 +190,13 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
-        # All or nothing: check every request before queueing any.
+        # All or nothing: check every request before queueing any. The engine's verdict
+        # (a RequestRejected, which is a ValueError) keeps its field and code, and says which prompt.
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
                 self.engine.check_request(p, sp)
+            except RequestRejected as e:
+                raise RequestRejected(f"prompt {i}: {e}", e.param, e.code) from None
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return prompts, params

@@ -27,15 +27,25 @@ from minicb.bench.runners import (DEFAULT_ENGINES, ENGINES, check_minicb_agrees,
                                   minicb_batch_runner, run_hf_continuous, run_minicb_continuous,
                                   run_workload, serve_in_batches)
 from minicb.bench.workloads import WORKLOADS, Request, build_requests
-from minicb.cli_args import add_model_args, add_speculative_args
+from minicb.cli_args import add_engine_args, add_model_args, engine_config
 from minicb.cpu_attention import set_num_threads
+from minicb.engine import EngineConfig
 from minicb.llm import LLM
 
+# The bench's own defaults for the engine flags. Every minicb engine keeps every step's trace: the
+# table's utilisation, busy slots and KV waste come from them. Two are one variant's setting:
+# 256 tokens is minicb-chunked's budget, and 2 minicb-spec's n-gram (minicb_engine_configs).
+ENGINE_DEFAULTS = {"keep_traces": None, "max_num_batched_tokens": 256, "speculative_ngram": 2}
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's flags, then one for each of the engine's settings (minicb/cli_args.py)."""
     ap = argparse.ArgumentParser(prog="python -m minicb bench",
                                  description="The benchmark: minicb's three engines against HF transformers, "
-                                             "on the same weights.")
+                                             "on the same weights. The engine settings set every minicb engine, "
+                                             "and each variant turns on its own feature; --max-num-seqs (--slots) "
+                                             "is also the static batch size and HF's continuous max batch, "
+                                             "--block-size HF's page size, and the KV pool HF's too.")
     add_model_args(ap)
     ap.add_argument("--workload", default="chat", choices=[*WORKLOADS, "all"])
     ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
@@ -43,18 +53,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "minicb-chunked, minicb-eager and minicb-spec)")
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=256, help="new tokens at most per request")
-    ap.add_argument("--slots", type=int, default=32, help="minicb static batch size and continuous max_num_seqs")
     ap.add_argument("--hf-batch", type=int, default=16, help="batch size of hf-generate")
-    ap.add_argument("--block-size", type=int, default=16, help="KV block size (minicb) and page size (HF)")
-    ap.add_argument("--attention", default="torch", choices=["torch", "triton"])
     ap.add_argument("--unpacked", action="store_true",
                     help="minicb engines: keep nn.Linear (torch's default BLAS) instead of oneDNN-packed weights "
                          "on a CPU (minicb/packed_linear.py); for before/after comparisons")
     ap.add_argument("--rate", type=float, default=1.0,
                     help="poisson, shared-prefix and long-prompt workloads: requests per second (0: all at once)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256,
-                    help="minicb-chunked: tokens a step computes at most (the token budget)")
-    add_speculative_args(ap)
     ap.add_argument("--random-max-prompt", type=int, default=256, help="random workload: longest prompt")
     ap.add_argument("--lengths-json", default=None,
                     help="chat workload: a JSON whose output_lengths[i] request i then generates exactly, EOS "
@@ -66,6 +70,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "many times faster: a parallel op waits for its slowest thread")
     ap.add_argument("--out", default="build/bench/bench.json", help="JSON path; bench.md and bench.png go beside it")
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 prompts, 16 tokens")
+    add_engine_args(ap, defaults=ENGINE_DEFAULTS, aliases={"max_num_seqs": ["--slots"]})
+    return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.quick:
         args.num_prompts, args.max_tokens = 8, 16
@@ -74,10 +84,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     if args.rate < 0:
         ap.error(f"--rate={args.rate}; it must be > 0 requests/s, or 0 for all at once")
-    for name in ("num_prompts", "max_tokens", "slots", "hf_batch", "block_size", "threads"):
+    for name in ("num_prompts", "max_tokens", "max_num_seqs", "hf_batch", "block_size", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")
     return args
+
+
+def minicb_engine_configs(args: argparse.Namespace, num_blocks: int) -> dict[str, dict]:
+    """Each paged minicb engine's EngineConfig fields: the engine flags, then the variant's own switch.
+
+    minicb-continuous is the engine the variants are measured against, so the two
+    settings that belong to one feature stay out of it: the token budget is
+    chunking's (an engine that admits prompts whole keeps EngineConfig's 4096, unless
+    --enable-chunked-prefill turns chunking on for every engine), and the n-gram is
+    speculation's (only minicb-spec speculates). `num_blocks`: the pool every paged
+    engine gets, HF's included (--num-blocks, or enough for the workload: kv_blocks_for).
+    """
+    flags = {**engine_config(args), "num_blocks": num_blocks}
+    budget, whole_prompts = flags["max_num_batched_tokens"], EngineConfig.max_num_batched_tokens  # the field's default
+    plain = {**flags, "speculative_ngram": None,
+             "max_num_batched_tokens": budget if flags["enable_chunked_prefill"] else whole_prompts}
+    return {
+        "minicb-continuous": plain,
+        "minicb-eager": {**plain, "cuda_graphs": False},
+        "minicb-prefix-cache": {**plain, "enable_prefix_caching": True},
+        "minicb-chunked": {**plain, "enable_chunked_prefill": True, "max_num_batched_tokens": budget},
+        "minicb-spec": {**plain, "speculative_ngram": flags["speculative_ngram"]},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         # In 16-bit floats two correct engines round differently, and a near tie can pick
         # another greedy token; the check runs on an fp32 copy, where exact agreement is the rule.
         checked = model if model.dtype == torch.float32 else copy.deepcopy(model).float()
-        mismatches = check_minicb_agrees(checked, requests, args.slots, args.block_size, args.attention)
+        mismatches = check_minicb_agrees(checked, requests, args.max_num_seqs, args.block_size, args.attention)
         del checked
         if mismatches:
             print("minicb engines disagree with naive greedy decoding; not timing them:\n  " + "\n  ".join(mismatches),
@@ -131,46 +164,36 @@ def main(argv: list[str] | None = None) -> int:
 
         # Each engine closes over this workload's settings; run(requests, arrivals, progress)
         # lets the same closure serve the warm-up and the timed run.
-        num_blocks = kv_blocks_for(requests, args.slots, args.block_size)
-        llm = LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
-                             block_size=args.block_size, num_blocks=num_blocks)
-
+        num_blocks = (kv_blocks_for(requests, args.max_num_seqs, args.block_size) if args.num_blocks is None
+                      else args.num_blocks)
+        configs = minicb_engine_configs(args, num_blocks)
+        llm = LLM.from_model(model, tokenizer, **configs["minicb-continuous"])
         # minicb-continuous without CUDA graphs (on a CPU the same engine): one, reused like llm's.
-        eager_llm = (LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
-                                    block_size=args.block_size, num_blocks=num_blocks, cuda_graphs=False)
+        eager_llm = (LLM.from_model(model, tokenizer, **configs["minicb-eager"])
                      if "minicb-eager" in args.engines.split(",") else None)
 
-        def cached_llm():
-            # The same engine with prefix caching, new for every run: a cache the warm-up
-            # filled would serve the timed run prompts it never computed.
-            return LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
-                                  block_size=args.block_size, num_blocks=num_blocks, enable_prefix_caching=True)
-
-        def chunked_llm():
-            return LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
-                                  block_size=args.block_size, num_blocks=num_blocks, enable_chunked_prefill=True,
-                                  max_num_batched_tokens=args.max_num_batched_tokens)
-
-        def spec_llm():
-            return LLM.from_model(model, tokenizer, max_num_seqs=args.slots, attention=args.attention,
-                                  block_size=args.block_size, num_blocks=num_blocks,
-                                  speculative_ngram=args.speculative_ngram or 2,
-                                  num_speculative_tokens=args.num_speculative_tokens)
+        def fresh_llm(name: str) -> LLM:
+            # A new engine for every run: a prefix cache the warm-up filled would serve the
+            # timed run prompts it never computed.
+            return LLM.from_model(model, tokenizer, **configs[name])
 
         engines = {
             "minicb-naive": lambda reqs, arr, progress: serve_in_batches(
                 minicb_batch_runner(model, static=False), reqs, arr, 1, "minicb-naive", progress),
             "minicb-static": lambda reqs, arr, progress: serve_in_batches(
-                minicb_batch_runner(model, static=True), reqs, arr, args.slots, "minicb-static", progress),
+                minicb_batch_runner(model, static=True), reqs, arr, args.max_num_seqs, "minicb-static", progress),
             "minicb-continuous": lambda reqs, arr, progress: run_minicb_continuous(llm, reqs, arr, progress),
-            "minicb-prefix-cache": lambda reqs, arr, progress: run_minicb_continuous(cached_llm(), reqs, arr, progress),
-            "minicb-chunked": lambda reqs, arr, progress: run_minicb_continuous(chunked_llm(), reqs, arr, progress),
+            "minicb-prefix-cache": lambda reqs, arr, progress: run_minicb_continuous(
+                fresh_llm("minicb-prefix-cache"), reqs, arr, progress),
+            "minicb-chunked": lambda reqs, arr, progress: run_minicb_continuous(
+                fresh_llm("minicb-chunked"), reqs, arr, progress),
             "minicb-eager": lambda reqs, arr, progress: run_minicb_continuous(eager_llm, reqs, arr, progress),
-            "minicb-spec": lambda reqs, arr, progress: run_minicb_continuous(spec_llm(), reqs, arr, progress),
+            "minicb-spec": lambda reqs, arr, progress: run_minicb_continuous(
+                fresh_llm("minicb-spec"), reqs, arr, progress),
             "hf-generate": lambda reqs, arr, progress: serve_in_batches(
                 hf_batch_runner(hf("hf-generate"), eos_id), reqs, arr, args.hf_batch, "hf-generate", progress),
             "hf-generate-batch": lambda reqs, arr, progress: run_hf_continuous(
-                hf("hf-generate-batch"), reqs, arr, eos_id, args.slots, num_blocks, args.block_size, progress),
+                hf("hf-generate-batch"), reqs, arr, eos_id, args.max_num_seqs, num_blocks, args.block_size, progress),
         }
         engines = {name: run for name, run in engines.items() if name in args.engines.split(",")}
         # Warm up every engine off the clock: first-call allocations, lazy imports, kernel compiles.

@@ -86,7 +86,7 @@ def machine_info(args, argv: list[str], device: torch.device) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
         "torch": torch.__version__, "transformers": version("transformers"), "threads": torch.get_num_threads(),
         "model": args.model or "embedded SmolLM2-135M-Instruct", "dtype": args.dtype,
-        "slots": args.slots, "hf_batch": args.hf_batch, "block_size": args.block_size, "attention": args.attention,
+        "slots": args.max_num_seqs, "hf_batch": args.hf_batch, "block_size": args.block_size, "attention": args.attention,
         "packed_linear": not args.unpacked, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
     }

@@ -2,6 +2,7 @@
 
     python -m minicb serve                                  # SmolLM2 on http://127.0.0.1:8000
     python -m minicb serve --port 8001 --max-num-seqs 16 --enable-prefix-caching
+    python -m minicb serve --no-cuda-graphs                 # any EngineConfig field is a flag
     python -m minicb serve --help                           # every option
 
 Open http://127.0.0.1:8000/ for the live dashboard. Any OpenAI client works:
@@ -29,19 +30,21 @@ import sys
 import threading
 import time
 
-from minicb.cli_args import add_engine_args, add_model_args
+from minicb.cli_args import add_engine_args, add_model_args, engine_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded model's name in /v1/models
+# The dashboard draws the last step's trace, so the server keeps one (EngineConfig keeps none).
+ENGINE_DEFAULTS = {"keep_traces": 1}
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's flags, then one for each of the engine's settings (minicb/cli_args.py)."""
     ap = argparse.ArgumentParser(prog="python -m minicb serve",
                                  description="Serve a model over HTTP: the OpenAI API, /metrics and a live "
                                              "dashboard at /.")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     add_model_args(ap)
-    add_engine_args(ap)
     ap.add_argument("--served-model-name", default=None,
                     help=f"the model's id in the API (default: {DEFAULT_MODEL_NAME}, or the model file's name)")
     ap.add_argument("--max-waiting", type=int, default=256,
@@ -52,6 +55,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="CPU threads for torch and the compiled decode (default: every core); as for `python -m minicb bench`, 1 can be "
                          "much faster on a CPU shared with other jobs")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(ap, defaults=ENGINE_DEFAULTS)  # every EngineConfig field, e.g. --max-num-seqs, --no-cuda-graphs
+    return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags, with the numbers that must be >= 1 checked before anything loads."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads={args.threads}; it must be >= 1")
@@ -63,17 +73,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def model_name(model: str | None) -> str:
     return DEFAULT_MODEL_NAME if model is None else pathlib.Path(model).name.removesuffix(".gguf")
-
-
-def build_llm(args):
-    """The LLM the server runs: one step's trace kept (the dashboard draws it), nothing more."""
-    from minicb.llm import LLM
-
-    return LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-               num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, attention=args.attention,
-               max_num_batched_tokens=args.max_num_batched_tokens, keep_traces=1,
-               enable_prefix_caching=args.enable_prefix_caching, speculative_ngram=args.speculative_ngram,
-               num_speculative_tokens=args.num_speculative_tokens)
 
 
 def make_server(app, host: str, port: int | None = None, shutdown_timeout: float = 10.0, log_level: str = "info"):
@@ -131,18 +130,23 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, shutdown_timeou
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # Only now, with the arguments read: `--help` answers without loading torch.
+    from minicb.triton_mode import choose_triton_mode
+    choose_triton_mode()  # before anything imports triton: interpret its kernels when there is no GPU
+    from minicb.llm import build
     from minicb.serve.app import create_app
 
     if args.threads:
         from minicb.cpu_attention import set_num_threads
         set_num_threads(args.threads)  # one pool for the process: the engine thread uses it
     try:
-        llm = build_llm(args)
+        # The same builder as LLM's: the model, its tokenizer, and an engine with every engine flag.
+        built = build(args.model, device=args.device, dtype=args.dtype, **engine_config(args))
     except (ValueError, RuntimeError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or model_name(args.model)
-    app = create_app(llm, name, max_waiting=args.max_waiting)
+    app = create_app(built, name, max_waiting=args.max_waiting)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (dashboard: http://{args.host}:{args.port}/)",
           flush=True)
     make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level).run()
