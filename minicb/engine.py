@@ -44,46 +44,14 @@ from typing import NamedTuple
 import torch
 
 from minicb import impl
+from minicb.config import EngineConfig  # the settings (minicb/config.py); importable from here too
 from minicb.model import Model
 from minicb.model_runner import ModelRunner, prepare
 from minicb.paged_attention import KVPool
 from minicb.paged_model import attention_kernels
 from minicb.sampling import SamplingParams, make_generator, sample
-from minicb.scheduler import Sequence, SchedulerOutput
+from minicb.scheduler import RequestRejected, Sequence, SchedulerOutput
 from minicb.trace import SlotState, StepTrace
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # KV pool size; None = from the memory budget below
-    max_num_seqs: int = 32  # slots: sequences decoding together
-    max_num_batched_tokens: int = 4096  # new tokens per step, caps how much prefill joins a step
-    attention: str = "torch"  # "torch" (chapter 04) or "triton" (chapter 05)
-    watermark: float = 0.01  # fraction of blocks kept free at admission
-    gpu_memory_fraction: float = 0.5  # KV budget on CUDA: this fraction of free memory
-    cpu_kv_gib: float = 1.0  # KV budget on CPU
-    # StepTraces to keep in Engine.traces: 0 records none (the default: a long-running
-    # server needs none), N keeps the last N steps, None keeps every step.
-    keep_traces: int | None = 0
-    # Keep computed full blocks under a key of their prefix and share them with later
-    # requests that start the same way (minicb/prefix_cache.py). Greedy outputs are
-    # the same either way; chapter 07's text says why it is off by default.
-    enable_prefix_caching: bool = False
-    # Cut prompts into chunks that fill what the running requests' decodes leave of
-    # max_num_batched_tokens, so no step computes more than that (minicb/chunked_prefill.py,
-    # chapter 08). Off: chapter 06's scheduler admits each prompt whole.
-    enable_chunked_prefill: bool = False
-    # Replay decode-only steps from CUDA graphs, one per batch-size bucket (minicb/cuda_graphs.py).
-    # None: on for CUDA with attention="triton", off otherwise. True on a CPU runs the same
-    # runner eagerly (a CPU has no graphs), through its static buffers and bucket padding.
-    cuda_graphs: bool | None = None
-    # Speculative decoding by prompt lookup (minicb/speculative.py, chapter 11): a decoding
-    # request whose last `speculative_ngram` tokens appeared earlier in its context proposes
-    # the (up to) `num_speculative_tokens` tokens that followed, and one forward verifies them.
-    # None: off. Greedy outputs are the same either way; sampled ones keep their distribution.
-    speculative_ngram: int | None = None
-    num_speculative_tokens: int = 4
 
 
 class NewToken(NamedTuple):
@@ -117,24 +85,12 @@ class Engine:
             # would otherwise get a huge pool (and a huge block map in every trace).
             num_blocks = min(num_blocks, ec.max_num_seqs * -(-cfg.max_position_embeddings // ec.block_size))
         self.kernels = attention_kernels(ec.attention)
-        # The chapter components come through impl.load, so MINICB_IMPL=student
-        # runs this very loop on the student's allocator and scheduler.
-        if ec.enable_prefix_caching:
-            allocator = impl.load("prefix_cache").CachingBlockAllocator(num_blocks, ec.block_size)
-        else:
-            allocator = impl.load("block_allocator").BlockAllocator(num_blocks, ec.block_size)
-        scheduling = impl.load("scheduler")
-        self.Sequence = scheduling.Sequence
-        Scheduler = (impl.load("chunked_prefill").ChunkedScheduler if ec.enable_chunked_prefill
-                     else scheduling.Scheduler)
+        self.num_blocks = num_blocks
         Speculator = impl.load("speculative").Speculator
         Speculator(1, ec.num_speculative_tokens)  # refuse a bad k even while speculation is off
         self.speculator = (None if ec.speculative_ngram is None
                            else Speculator(ec.speculative_ngram, ec.num_speculative_tokens))
-        self.scheduler = Scheduler(
-            allocator, ec.max_num_seqs, cfg.max_position_embeddings, cfg.eos_token_ids,
-            ec.max_num_batched_tokens, ec.watermark, self.speculator)
-        self.allocator = allocator
+        self.scheduler, self.allocator = self._build_scheduler()
         # The runner: eager, or chapter 10's, which replays decode-only steps from CUDA
         # graphs. With it the pool has one block more than the allocator hands out:
         # the scratch block, where the runner's padding rows write their K/V.
@@ -153,18 +109,66 @@ class Engine:
         self.traces: deque[StepTrace] = deque(maxlen=keep)
         self.num_steps = 0
 
+    def _build_scheduler(self):
+        """A new scheduler over a new, empty allocator of `num_blocks` blocks: (scheduler, allocator)."""
+        cfg, ec = self.model.config, self.config
+        # The chapter components come through impl.load, so MINICB_IMPL=student
+        # runs this very loop on the student's allocator and scheduler.
+        if ec.enable_prefix_caching:
+            allocator = impl.load("prefix_cache").CachingBlockAllocator(self.num_blocks, ec.block_size)
+        else:
+            allocator = impl.load("block_allocator").BlockAllocator(self.num_blocks, ec.block_size)
+        scheduling = impl.load("scheduler")
+        self.Sequence = scheduling.Sequence
+        Scheduler = (impl.load("chunked_prefill").ChunkedScheduler if ec.enable_chunked_prefill
+                     else scheduling.Scheduler)
+        scheduler = Scheduler(allocator, ec.max_num_seqs, cfg.max_position_embeddings, cfg.eos_token_ids,
+                              ec.max_num_batched_tokens, ec.watermark, self.speculator)
+        return scheduler, allocator
+
+    def reset(self) -> list[int]:
+        """Forget every request and every cached block, keeping the pool's memory; return the
+        ids of the requests dropped (every completion's).
+
+        For after a step raised (a server keeps serving). The step may have stopped
+        anywhere between schedule and postprocess, so nothing the scheduler or the
+        allocator holds can be trusted: with prefix caching, blocks got their keys when
+        they were scheduled, for K/V the forward never wrote. So both are built anew.
+        Request ids keep counting: an id never names two requests, so an abort that
+        arrives late for a dropped one cannot hit a new one.
+        """
+        dropped = list(self.requests)
+        ids = getattr(self.scheduler, "_ids", None)  # a student's scheduler may count its own way
+        self.scheduler, self.allocator = self._build_scheduler()
+        if ids is not None:
+            self.scheduler._ids = ids
+        self.requests.clear()
+        return dropped
+
     # ---- requests -------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never be served. Changes nothing."""
+        """Raise RequestRejected (a ValueError naming the field at fault and a code) if the
+        request can never be served. Changes nothing.
+
+        These are all the rules a request must pass; `LLM` and the server ask here rather
+        than restating them. It reads only sizes fixed at construction, so a server may
+        call it from any thread.
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()  # the fields may have been changed after construction
+        try:
+            params.validate()  # the fields may have been changed after construction
+        except ValueError as e:  # SamplingParams names the field first: "top_p=0.0; it must be in (0, 1]"
+            raise RequestRejected(str(e), str(e).split("=", 1)[0], "invalid_value") from None
+        # The scheduler's checks first: they cost nothing, and they bound the prompt that
+        # the scan below walks by the model's context (a 100,000-id prompt is refused at once).
+        self.scheduler.check_request(prompt_token_ids, params)
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
-        self.scheduler.check_request(prompt_token_ids, params)
+            raise RequestRejected(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}", "prompt",
+                                  "token_id_out_of_range")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> int:

@@ -42,7 +42,20 @@ if TYPE_CHECKING:  # the scheduler itself never touches a tensor
 
 
 class RequestRejected(ValueError):
-    """A request that can never be served (too long for the context or the KV pool)."""
+    """A request that can never be served, however long it waits: an empty prompt, one too
+    long for the context, n beyond the slots, a request the whole KV pool cannot hold, a
+    token id outside the vocabulary.
+
+    The message is for a person (the value seen and what is allowed). `param` names the
+    request field at fault as a client names it ("prompt", "n", "max_tokens"), and `code`
+    says what is wrong in a word a program can test ("context_length_exceeded"), so a
+    server answers OpenAI's 400 from the engine's own verdict instead of restating the
+    rules (minicb/serve/app.py).
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class RequestStatus(str, Enum):
@@ -192,24 +205,29 @@ class Scheduler:
         """Raise RequestRejected if this request can never be served; change nothing."""
         prompt_len = len(prompt_token_ids)
         if prompt_len == 0:
-            raise RequestRejected("the prompt is empty; give at least one token")
+            raise RequestRejected("the prompt is empty; give at least one token", "prompt", "empty_prompt")
         if params.n > self.max_num_seqs:
             raise RequestRejected(f"n={params.n} completions need {params.n} slots at once, but the engine has "
-                                  f"max_num_seqs={self.max_num_seqs}; lower n or raise max_num_seqs")
+                                  f"max_num_seqs={self.max_num_seqs}; lower n or raise max_num_seqs",
+                                  "n", "too_many_completions")
         if prompt_len >= self.max_model_len:
             raise RequestRejected(f"the prompt has {prompt_len} tokens but the model's context is "
-                                  f"{self.max_model_len}; it must be shorter so one token can be generated")
+                                  f"{self.max_model_len}; it must be shorter so one token can be generated",
+                                  "prompt", "context_length_exceeded")
         # Running alone, with the whole pool to itself, the request must be able to
         # finish: prompt + every token it may generate. Otherwise it would be
         # preempted and re-admitted forever, and everyone behind it would wait.
         max_len = min(prompt_len + params.max_tokens, self.max_model_len)
         need = self.allocator.blocks_needed(max_len)
         if need > self.allocator.num_blocks:
+            # The prompt is at fault when it leaves no room for even one token; else max_tokens is.
+            prompt_fits = self.allocator.blocks_needed(prompt_len + 1) <= self.allocator.num_blocks
             raise RequestRejected(
                 f"the request needs up to {max_len} tokens of KV cache (prompt {prompt_len} + max_tokens "
                 f"{params.max_tokens}) = {need} blocks of {self.allocator.block_size}, but the pool has only "
                 f"{self.allocator.num_blocks} blocks; it can never finish. Lower max_tokens, shorten the prompt, "
-                f"or give the engine more num_blocks")
+                f"or give the engine more num_blocks", "max_tokens" if prompt_fits else "prompt",
+                "kv_cache_too_small")
 
     def abort(self, request_id: int) -> Sequence | None:
         """Finish a waiting or running request with reason "abort"; None if there is no such request."""

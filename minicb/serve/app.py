@@ -2,15 +2,23 @@
 
 In this file you will learn the life of a request in a server, in order:
 
-1. **Parse.** FastAPI reads the body into a pydantic model (minicb/serve/protocol.py).
-   Bad JSON or a wrong type never reaches our code: `invalid_request` turns
-   pydantic's complaint into OpenAI's error shape with status 400.
-2. **Check.** `_prepare` turns the request into prompt token ids and a
-   SamplingParams, and refuses, with a 400 that names the field, anything the
-   engine could never serve: an unknown model, max_tokens < 1, n beyond the
-   slots, a prompt that fills the context, a request whose KV cache could never
-   fit in the pool (the engine's own `check_request`). A bad request costs the
-   engine nothing, and the server keeps serving.
+1. **Parse.** A body over `max_body_bytes` (create_app's; MAX_BODY_BYTES, 4 MiB,
+   by default) gets 413 before any route reads it (`BodyLimit`): one whose
+   Content-Length says so is refused unread, one sent in chunks at the first
+   byte past the limit. FastAPI reads the rest into a pydantic model
+   (minicb/serve/protocol.py). Bad JSON or a wrong type never reaches our code:
+   `invalid_request` turns pydantic's complaint into OpenAI's error shape with
+   status 400.
+2. **Check.** `request_params` turns the request into prompt token ids and a
+   SamplingParams, then asks the engine whether it could ever serve them
+   (`engine.check_request`, the one place the rules live): an empty prompt, a
+   token id outside the vocabulary, a prompt that fills the context, n beyond
+   the slots, a request whose KV cache could never fit in the pool. The engine's
+   RequestRejected names the field and a code, and the client gets both in a
+   400. The server itself checks only what the engine cannot know: the model's
+   name, a text prompt without a tokenizer, stop strings, fields minicb does not
+   support, the chat template, and SamplingParams' own ranges. A bad request
+   costs the engine nothing, and the server keeps serving.
 3. **Submit.** The engine loop (minicb/serve/loop.py) queues it, or answers
    QueueFull: 503 with Retry-After, so a client backs off instead of piling on.
 4. **Follow.** ServedRequest (minicb/serve/request.py) yields each step's
@@ -38,9 +46,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minicb.sampling import SamplingParams
+from minicb.scheduler import RequestRejected
 from minicb.serve import protocol as p
 from minicb.serve.dashboard import dashboard_events
 from minicb.serve.loop import EngineLoop, NotServing, QueueFull
@@ -48,6 +58,11 @@ from minicb.serve.metrics import CONTENT_TYPE, ServerMetrics
 from minicb.serve.request import EngineError, ServedRequest
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
+# The largest request body accepted, in bytes (create_app's max_body_bytes). A token id
+# under 100,000 takes at most 7 bytes of JSON ("49151, "), so a prompt filling a 128k-token
+# context fits in 1 MiB; 4 leaves room for text and chat, and still bounds what a client
+# can make the server hold and parse.
+MAX_BODY_BYTES = 4 * 2**20
 
 
 class APIError(Exception):
@@ -65,8 +80,49 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
-def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
-    """A FastAPI app serving `llm` (a minicb.LLM built with keep_traces=1) as `model_name`.
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413, in OpenAI's shape, before any route sees it.
+
+    A body whose Content-Length is too large is refused unread. Any other body is
+    read here, counted as it streams in, and refused at the first chunk past the
+    limit; one that fits is handed to the route as it came. So the server never
+    holds more than `max_bytes` of a body. `refused()` is called for each 413 (metrics).
+    """
+
+    def __init__(self, app, max_bytes: int, refused):
+        self.app, self.max_bytes, self.refused = app, max_bytes, refused
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self.too_large(f"{declared} bytes", scope, receive, send)
+        messages, size = [], 0  # the body's ASGI messages, kept to be replayed to the route
+        while not messages or messages[-1].get("more_body", False):
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left mid-body: nobody to answer
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self.too_large(f"over {self.max_bytes} bytes", scope, receive, send)
+            messages.append(message)
+
+        async def replay():  # the body as it came, then the live channel (a disconnect, for the routes that watch)
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def too_large(self, size: str, scope, receive, send):
+        self.refused()
+        error = APIError(413, f"the request body is {size}; this server accepts at most {self.max_bytes} bytes",
+                         code="request_too_large")
+        await error.response()(scope, receive, send)
+
+
+def create_app(llm, model_name: str, max_waiting: int = 256, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """A FastAPI app serving `llm` as `model_name`: a minicb.LLM, or what minicb.llm.build returns
+    (the server's); either way its `.engine` (built with keep_traces=1, for the dashboard) and `.tokenizer`.
 
     The engine thread starts with the app (lifespan) and stops with it: whatever
     is still waiting or running then ends as an abort.
@@ -90,6 +146,7 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
     app = FastAPI(title="minicb", summary="minicb's continuous-batching engine behind the OpenAI API",
                   lifespan=lifespan)
     app.state.loop, app.state.metrics, app.state.model_name = loop, metrics, model_name
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refused=lambda: metrics.rejected_request(413))
 
     # ---- errors: always OpenAI's shape ------------------------------------------------
 
@@ -135,40 +192,26 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
                            "model_not_found")
 
     def encode(prompt, param: str) -> list[int]:
+        """Token ids, as they come; whether the engine can take them is its own check's to say."""
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids", param)
-            ids = tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise APIError(400, "the prompt is empty; give at least one token", param)
-        vocab = engine.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param)
-        if len(ids) >= max_model_len:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the model's context is {max_model_len}; "
-                                f"it must be shorter so that at least one token can be generated", param,
-                           "context_length_exceeded")
-        return ids
+            return tokenizer.encode(prompt)
+        return list(prompt)
 
-    def sampling_params(req: p._Sampling, prompt_ids: list[int], max_tokens: int | None,
-                        max_tokens_field: str) -> SamplingParams:
+    def request_params(req: p._Sampling, prompt_ids: list[int], max_tokens: int | None, prompt_field: str,
+                       max_tokens_field: str) -> SamplingParams:
+        """The request's SamplingParams, once the engine has said it could serve them (else a 400).
+        prompt_field, max_tokens_field: what this route calls the prompt and the length limit."""
         unsupported = req.unsupported()
         if unsupported:
             raise APIError(400, f"minicb does not support {', '.join(unsupported)}; leave it unset", unsupported[0])
-        if req.n > engine.config.max_num_seqs:
-            raise APIError(400, f"n={req.n} completions need {req.n} slots at once, but the server has "
-                                f"{engine.config.max_num_seqs}", "n")
         if any(not s for s in req.stop_strings()):
             raise APIError(400, "stop strings must not be empty", "stop")
         if max_tokens is None:  # as many as the context and the pool leave after the prompt
             pool_tokens = engine.allocator.num_blocks * engine.allocator.block_size
-            max_tokens = min(max_model_len, pool_tokens) - len(prompt_ids)
-            if max_tokens < 1:
-                raise APIError(400, f"the prompt's {len(prompt_ids)} tokens leave no room in the KV pool "
-                                    f"({pool_tokens} tokens)", "messages")
+            # At least 1: a prompt that leaves no room is the engine's to refuse, naming the prompt.
+            max_tokens = max(1, min(max_model_len, pool_tokens) - len(prompt_ids))
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
                                     top_p=req.top_p, seed=req.seed, n=req.n, ignore_eos=req.ignore_eos,
@@ -178,8 +221,9 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
             raise APIError(400, str(e), max_tokens_field if field == "max_tokens" else field) from None
         try:
             engine.check_request(prompt_ids, params)  # reads only sizes fixed at start: safe off the engine thread
-        except ValueError as e:
-            raise APIError(400, str(e), max_tokens_field) from None
+        except RequestRejected as e:  # the engine names fields as /v1/completions does; this route may not
+            param = {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(e.param, e.param)
+            raise APIError(400, str(e), param, e.code) from None
         return params
 
     def submit(prompt_ids: list[int], params: SamplingParams, stop: list[str]) -> ServedRequest:
@@ -259,7 +303,10 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
     async def health():
         if loop.error is not None:
             raise APIError(503, loop.error, kind="server_error", code="engine_failed")
-        return {"status": "ok"}
+        # Steps that raised: their requests got a 500 (or an error event) and the engine was reset.
+        allocator = loop.engine.allocator
+        return {"status": "ok", "step_failures": loop.num_step_failures, "last_step_failure": loop.last_step_failure,
+                "kv_blocks_free": allocator.num_free_blocks, "kv_blocks": allocator.num_blocks}
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def models():
@@ -269,7 +316,8 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
     async def completions(req: p.CompletionRequest, request: Request):
         check_model(req.model)
         prompt_ids = encode(req.prompt, "prompt")
-        params = sampling_params(req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "max_tokens")
+        params = request_params(req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "prompt",
+                                "max_tokens")
         served = submit(prompt_ids, params, req.stop_strings())
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         ids_if = (lambda ids: ids if req.return_token_ids else None)
@@ -303,7 +351,7 @@ def create_app(llm, model_name: str, max_waiting: int = 256) -> FastAPI:
         prompt_ids = encode(prompt, "messages")
         limit, field = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
                         else (req.max_tokens, "max_tokens"))
-        params = sampling_params(req, prompt_ids, limit, field)
+        params = request_params(req, prompt_ids, limit, "messages", field)
         served = submit(prompt_ids, params, req.stop_strings())
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         ids_if = (lambda ids: ids if req.return_token_ids else None)
