@@ -242,7 +242,8 @@ def test_client_disconnecting_mid_stream_aborts_the_request():
                 if seen == 3:
                     break  # hang up mid-stream: closing the response closes the connection
         wait_until_aborted_and_free(client, 480)
-        assert client.get("/health").json() == {"status": "ok"}
+        health = client.get("/health").json()
+        assert health["status"] == "ok" and health["kv_blocks_free"] == health["kv_blocks"], health
         assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}).status_code == 200
 
 
@@ -406,7 +407,9 @@ def test_engine_loop_close_ends_every_completion_even_those_not_forked_yet():
 
 def test_models_health_metrics_and_dashboard_feed():
     with tiny_server(max_num_seqs=4) as (url, _), httpx.Client(base_url=url, timeout=20) as client:
-        assert client.get("/health").json() == {"status": "ok"}
+        health = client.get("/health").json()
+        assert health == {"status": "ok", "step_failures": 0, "last_step_failure": None,
+                          "kv_blocks_free": health["kv_blocks"], "kv_blocks": health["kv_blocks"]}, health
         models = client.get("/v1/models").json()
         assert models["object"] == "list" and [m["id"] for m in models["data"]] == [TINY]
         page = client.get("/")

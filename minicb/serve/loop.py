@@ -205,6 +205,8 @@ class EngineLoop:
         self.inbox: queue.Queue = queue.Queue()
         self.num_queued = 0  # handles waiting for their first token (event-loop side)
         self.error: str | None = None  # set if the engine raised; the loop has stopped
+        self.num_step_failures = 0  # steps that raised: their requests failed, the loop went on
+        self.last_step_failure: str | None = None
         self.exception: BaseException | None = None  # what it raised (for tests and debugging)
         self.subscribers: set[asyncio.Queue] = set()  # dashboard feeds, one per open page
         self._ids = itertools.count()
@@ -351,11 +353,15 @@ class EngineLoop:
                 if applied.stop:
                     break
                 if self.engine.has_unfinished():
-                    out = self.engine.step()
+                    try:
+                        out = self.engine.step()
+                    except Exception as e:  # this step's requests fail; the server goes on
+                        self._step_failed(e)
+                        continue
                     self._dispatch(out, chapter.group_step(out, self._owners))
                 if self.metrics is not None:  # after an abort with nothing left to step, too
                     self.metrics.engine_state(self.engine)
-        except Exception as e:  # the engine is in an unknown state: fail every request, serve no more
+        except Exception as e:  # outside a step (a command, the chapter's code): fail everything, serve no more
             self.exception = e
             self.error = f"the engine failed: {type(e).__name__}: {e}"
             self._owners.clear()
@@ -378,6 +384,26 @@ class EngineLoop:
             # each stream must see its completion end.
             batches[handle] = [Finished(c, "abort") for c in range(handle.params.n) if c not in handle.ended]
         self._send(batches, None)
+
+    def _step_failed(self, error: Exception) -> None:
+        """A step raised (a model bug, out of memory): end every request the engine held with
+        Failed, reset the engine to empty, and keep serving.
+
+        A step can stop anywhere between scheduling and postprocessing, so which of the
+        engine's requests it left intact cannot be told: all of them end, each with an
+        error its client sees (a 500, or an error event in a stream). Engine.reset frees
+        every block and drops the prefix cache, whose keys may name K/V never written.
+        """
+        self.num_step_failures += 1
+        self.last_step_failure = f"{type(error).__name__}: {error}"
+        self.engine.reset()
+        message = f"the engine failed in a step and dropped this request: {self.last_step_failure}"
+        failed = {handle: [Failed(message)] for handle in self._owners.values()}
+        self._owners.clear()
+        self._last_token = {key: t for key, t in self._last_token.items() if key[0] not in failed}
+        self._send(failed, None)
+        if self.metrics is not None:
+            self.metrics.engine_state(self.engine)
 
     def _report(self, applied: Applied) -> None:
         """Tell the refused requests, count the aborts, forget the aborted completions' token times."""
