@@ -15,6 +15,10 @@ Given (from minicb/serve/events.py; you make and fill them, you do not write the
   functions set its request_id (None until added) and fill its `ended` set, the
   completions that will produce nothing more. Handles compare by identity, so
   they can be dict keys;
+- Command: what a handler puts into the inbox, a typed (kind, handle, completion)
+  tuple: ("add", handle, None), ("abort", handle, completion) or ("stop", None, None).
+  Unpack it (`for kind, handle, completion in commands:`); a plain tuple of the
+  same three compares equal to it;
 - Owners: the engine thread's dict, engine request id -> RequestHandle;
 - Applied: what apply_commands reports, Applied() empty to start: stop (bool),
   aborted (a list of (handle, completion) pairs) and failed (a dict handle ->
@@ -36,11 +40,11 @@ from __future__ import annotations
 import queue
 
 from minicb.engine import Engine, StepOutput
-from minicb.serve.events import Applied, Failed, Finished, Owners, RequestHandle, Token  # noqa: F401  # given
+from minicb.serve.events import Applied, Command, Failed, Finished, Owners, RequestHandle, Token  # noqa: F401  # given
 
 
-def take_commands(inbox: queue.Queue, wait: bool) -> list[tuple]:
-    """Task 2: every command in `inbox` now, oldest first, each a (kind, handle, completion) tuple.
+def take_commands(inbox: queue.Queue, wait: bool) -> list[Command]:
+    """Task 2: every Command in `inbox` now, oldest first, each a (kind, handle, completion) tuple.
 
     wait=True (the engine is idle): block until one command comes (inbox.get()), then take the
     rest without waiting. wait=False (the engine is busy): never block; [] when the inbox is empty.
@@ -48,7 +52,7 @@ def take_commands(inbox: queue.Queue, wait: bool) -> list[tuple]:
     raise NotImplementedError("Chapter 9, task 2: take_commands() — see chapters/09-serving/README.md#task-2")
 
 
-def apply_commands(engine: Engine, owners: Owners, commands: list[tuple]) -> Applied:
+def apply_commands(engine: Engine, owners: Owners, commands: list[Command]) -> Applied:
     """Task 2: carry out the commands in order; return an Applied.
 
     ("add", handle, None): rid = engine.add_request(handle.prompt_token_ids, handle.params,

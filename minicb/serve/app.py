@@ -26,9 +26,21 @@ In this file you will learn the life of a request in a server, in order:
    (`data: {chunk}` ... `data: [DONE]`); a plain one gathers them into one answer.
    Either way, a client that disconnects has its request aborted: however the
    response ends, `ServedRequest.close()` runs after it and frees what is left.
+   So is a client that stops reading: once `max_buffered_steps` (create_app's;
+   1024 by default) steps' events wait for it, the engine loop aborts its request,
+   and its stream, if it ever reads on, ends with finish_reason "abort" and [DONE].
 
 Everything here runs on the event loop's thread and never blocks it: the
 engine steps on its own thread.
+
+How this file is laid out: `ServerState` holds what every route reads (the
+engine loop, the tokenizer, the model's name, the metrics); create_app builds
+it and keeps it on `app.state.server`, and a route takes it as a parameter typed
+`Server` (a FastAPI dependency). The checks (`check_model`, `encode`,
+`request_params`, `submit`) are plain functions of it. `respond` is the tail both
+completion routes share, the whole JSON answer or the stream: a route only says
+how its objects look (`TextFormat`, `ChatFormat`). Then the routes, one function
+each on `router`, and create_app, which puts the pieces together.
 
     app = create_app(llm, model_name="SmolLM2-135M-Instruct")   # llm: minicb.LLM, keep_traces=1
     uvicorn.run(app, host="127.0.0.1", port=8000)               # or `python -m minicb serve`
@@ -40,20 +52,23 @@ import contextlib
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from importlib import resources
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minicb.engine import Engine
 from minicb.sampling import SamplingParams
 from minicb.scheduler import RequestRejected
 from minicb.serve import protocol as p
 from minicb.serve.dashboard import dashboard_events
-from minicb.serve.loop import EngineLoop, NotServing, QueueFull
+from minicb.serve.loop import MAX_BUFFERED_STEPS, EngineLoop, NotServing, QueueFull
 from minicb.serve.metrics import CONTENT_TYPE, ServerMetrics
 from minicb.serve.request import EngineError, ServedRequest
 
@@ -120,279 +135,393 @@ class BodyLimit:
         await error.response()(scope, receive, send)
 
 
-def create_app(llm, model_name: str, max_waiting: int = 256, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+# ---- what every route reads -------------------------------------------------------------
+
+
+@dataclass
+class ServerState:
+    """The server's state, made once by create_app and kept on `app.state.server`.
+
+    A route takes it as a parameter typed `Server` (a FastAPI dependency), so
+    each route reads on its own. Only the engine thread calls the engine; here
+    the routes use just `engine.check_request` and the sizes fixed at start.
+    """
+
+    loop: EngineLoop
+    tokenizer: object | None  # encode, decode, apply_chat_template; None: a model served by token ids only
+    model_name: str
+    metrics: ServerMetrics
+
+    @property
+    def engine(self) -> Engine:
+        return self.loop.engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler.max_model_len
+
+    @property
+    def decode(self):
+        return self.tokenizer.decode if self.tokenizer is not None else None
+
+
+async def server_state(request: Request) -> ServerState:
+    return request.app.state.server  # async: a plain def would run on a worker thread, per request
+
+
+Server = Annotated[ServerState, Depends(server_state)]
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    """The engine thread runs while the app does: whatever still waits or runs at the end ends as an abort."""
+    server: ServerState = app.state.server
+    server.loop.warm_up()  # before the first request: compiles kernels (blocks startup, not a user)
+    server.loop.start(asyncio.get_running_loop())
+    server.metrics.engine_state(server.engine)
+    try:
+        yield
+    finally:
+        server.loop.stop()
+
+
+# ---- errors: always OpenAI's shape --------------------------------------------------------
+
+
+async def api_error(request: Request, e: APIError):
+    (await server_state(request)).metrics.rejected_request(e.status)
+    return e.response()
+
+
+async def invalid_request(request: Request, e: RequestValidationError):
+    error = e.errors()[0]
+    where = [str(part) for part in error.get("loc", ()) if part != "body"]
+    if error.get("type") == "json_invalid":
+        message, param = f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", None
+    else:
+        # pydantic names the union member in the location ("prompt", "str"); keep the field.
+        param = where[0] if where else None
+        field = ".".join(w for w in where if w not in ("str", "list[int]", "list[str]", "list[TextPart]"))
+        message = f"{field or 'body'}: {error['msg']}"
+        if "input" in error and error["input"] is not None and len(repr(error["input"])) < 80:
+            message += f" (got {error['input']!r})"
+    (await server_state(request)).metrics.rejected_request(400)
+    return APIError(400, message, param, code=error.get("type")).response()
+
+
+async def engine_error(request: Request, e: EngineError):
+    return APIError(500, str(e), kind="server_error", code="engine_failed").response()
+
+
+async def unexpected(request: Request, e: Exception):  # a bug: still OpenAI's shape (uvicorn logs the traceback)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").response()
+
+
+async def http_error(request: Request, e: StarletteHTTPException):
+    return APIError(e.status_code, str(e.detail), kind="not_found_error" if e.status_code == 404 else
+                    "invalid_request_error").response()
+
+
+ERROR_HANDLERS = {APIError: api_error, RequestValidationError: invalid_request, EngineError: engine_error,
+                  Exception: unexpected, StarletteHTTPException: http_error}
+# What /openapi.json says of errors: any route may answer a 4xx or a 5xx, always in OpenAI's
+# shape. "4XX" also keeps FastAPI from listing the 422 it would add for a body: a body the
+# models refuse gets a 400 here (`invalid_request`), as from OpenAI.
+ERROR_RESPONSES = {"4XX": {"model": p.ErrorResponse, "description": "Refused: the request cannot be served"},
+                   "5XX": {"model": p.ErrorResponse, "description": "The server failed, or is overloaded"}}
+# A 200 that may be server-sent events (a route's "stream": true), beside its JSON.
+EVENT_STREAM = {200: {"description": "The answer, or its server-sent events", "content": {"text/event-stream": {}}}}
+
+
+# ---- checking a request -------------------------------------------------------------------
+
+
+def check_model(server: ServerState, name: str | None) -> None:
+    if name is not None and name != server.model_name:
+        raise APIError(400, f"the model {name!r} does not exist; this server serves {server.model_name!r}", "model",
+                       "model_not_found")
+
+
+def encode(server: ServerState, prompt, param: str) -> list[int]:
+    """Token ids, as they come; whether the engine can take them is its own check's to say."""
+    if isinstance(prompt, str):
+        if server.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids", param)
+        return server.tokenizer.encode(prompt)
+    return list(prompt)
+
+
+def request_params(server: ServerState, req: p._Sampling, prompt_ids: list[int], max_tokens: int | None,
+                   prompt_field: str, max_tokens_field: str) -> SamplingParams:
+    """The request's SamplingParams, once the engine has said it could serve them (else a 400).
+    prompt_field, max_tokens_field: what this route calls the prompt and the length limit."""
+    unsupported = req.unsupported()
+    if unsupported:
+        raise APIError(400, f"minicb does not support {', '.join(unsupported)}; leave it unset", unsupported[0])
+    if any(not s for s in req.stop_strings()):
+        raise APIError(400, "stop strings must not be empty", "stop")
+    engine = server.engine
+    if max_tokens is None:  # as many as the context and the pool leave after the prompt
+        pool_tokens = engine.allocator.num_blocks * engine.allocator.block_size
+        # At least 1: a prompt that leaves no room is the engine's to refuse, naming the prompt.
+        max_tokens = max(1, min(server.max_model_len, pool_tokens) - len(prompt_ids))
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
+                                top_p=req.top_p, seed=req.seed, n=req.n, ignore_eos=req.ignore_eos,
+                                stop_token_ids=list(req.stop_token_ids or []))
+    except ValueError as e:  # SamplingParams names the field first: "max_tokens=0; it must be ..."
+        field = str(e).split("=", 1)[0]
+        raise APIError(400, str(e), max_tokens_field if field == "max_tokens" else field) from None
+    try:
+        engine.check_request(prompt_ids, params)  # reads only sizes fixed at start: safe off the engine thread
+    except RequestRejected as e:  # the engine names fields as /v1/completions does; this route may not
+        param = {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(e.param, e.param)
+        raise APIError(400, str(e), param, e.code) from None
+    return params
+
+
+def submit(server: ServerState, prompt_ids: list[int], params: SamplingParams, stop: list[str]) -> ServedRequest:
+    try:
+        handle = server.loop.submit(prompt_ids, params)
+    except QueueFull as e:
+        raise APIError(503, str(e), kind="server_overloaded", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except NotServing as e:
+        raise APIError(503, str(e), kind="server_unavailable", code="not_serving") from None
+    server.metrics.accepted(len(prompt_ids))
+    return ServedRequest(server.loop, handle, server.decode, stop)
+
+
+# ---- answering: the tail both completion routes share --------------------------------------
+
+
+@dataclass
+class AnswerFormat:
+    """How a completion route writes OpenAI's objects; `respond` does everything else.
+
+    Every method takes a completion's index, text, finish_reason, stop_reason and
+    token_ids (None unless the client asked for them): `choice` for a whole answer,
+    `piece` for what one step added, inside a stream's chunk.
+    """
+
+    id: str
+    created: int
+    model: str
+
+    def opening(self, n: int) -> list[dict]:
+        """The chunks a stream of n completions starts with, before any text."""
+        return []
+
+
+class TextFormat(AnswerFormat):
+    """/v1/completions: a choice is text, whole or one step's piece of it."""
+
+    def choice(self, index, text, finish_reason, stop_reason, token_ids) -> p.CompletionChoice:
+        return p.CompletionChoice(index=index, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
+                                  token_ids=token_ids)
+
+    piece = choice
+
+    def answer(self, choices: list, usage: p.UsageInfo) -> p.CompletionResponse:
+        return p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                    usage=usage)
+
+    def chunk(self, pieces: list) -> dict:
+        return p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=pieces).model_dump()
+
+
+class ChatFormat(AnswerFormat):
+    """/v1/chat/completions: a whole choice is the assistant's message, a piece a delta of its content."""
+
+    def choice(self, index, text, finish_reason, stop_reason, token_ids) -> p.ChatChoice:
+        return p.ChatChoice(index=index, message=p.AssistantMessage(content=text), finish_reason=finish_reason,
+                            stop_reason=stop_reason, token_ids=token_ids)
+
+    def piece(self, index, text, finish_reason, stop_reason, token_ids) -> p.ChatStreamChoice:
+        return p.ChatStreamChoice(index=index, delta=p.DeltaMessage(content=text), finish_reason=finish_reason,
+                                  stop_reason=stop_reason, token_ids=token_ids)
+
+    def answer(self, choices: list, usage: p.UsageInfo) -> p.ChatCompletionResponse:
+        return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                        usage=usage)
+
+    def chunk(self, pieces: list) -> dict:
+        return p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=pieces).model_dump()
+
+    def opening(self, n: int) -> list[dict]:
+        # OpenAI's first chunk of each choice names the role, with empty content.
+        return [self.chunk([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
+                for i in range(n)]
+
+
+async def respond(served: ServedRequest, request: Request, req: p._Sampling, form: AnswerFormat):
+    """The answer to a submitted request: server-sent events if req.stream, else one JSON object at the end.
+    Either way the request is closed (aborted in the engine if unfinished) once the response is over."""
+    send_ids = req.return_token_ids
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(stream(served, form, include_usage, send_ids), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(served.close))
+    texts, ids = await gather(served, request)
+    choices = [form.choice(i, texts[i], served.finish_reasons[i], served.stop_reasons[i],
+                           ids[i] if send_ids else None) for i in range(len(texts))]
+    return form.answer(choices, usage(served))
+
+
+async def gather(served: ServedRequest, request: Request) -> tuple[list[str], list[list[int]]]:
+    """Run a request to its end; abort it if the client disconnects first."""
+    texts = [""] * served.handle.params.n
+    ids: list[list[int]] = [[] for _ in texts]
+
+    async def collect():
+        async for deltas in served.deltas():
+            for d in deltas:
+                texts[d.completion] += d.text
+                ids[d.completion] += d.token_ids
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(collect()), asyncio.create_task(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():  # the client is gone (or this handler was cancelled): abort, and wait for it
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        served.close()
+    if work.cancelled():
+        raise asyncio.CancelledError  # nobody is left to read an answer
+    work.result()  # re-raises an engine failure
+    return texts, ids
+
+
+def sse(data) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def stream(served: ServedRequest, form: AnswerFormat, include_usage: bool, send_ids: bool):
+    """Server-sent events: the opening chunks, one chunk per completion per step, usage, [DONE].
+    A step that added no text (half a character, a held-back stop string) sends nothing,
+    unless the client asked for token ids."""
+    try:
+        for chunk in form.opening(served.handle.params.n):
+            yield sse(chunk)
+        async for deltas in served.deltas():
+            for d in deltas:
+                if d.text or d.finish_reason is not None or (send_ids and d.token_ids):
+                    piece = form.piece(d.completion, d.text, d.finish_reason, d.stop_reason,
+                                       d.token_ids if send_ids else None)
+                    yield sse(form.chunk([piece]))
+        if include_usage:
+            yield sse({**form.chunk([]), "usage": usage(served).model_dump()})
+    except EngineError as e:
+        yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error", code=500)).model_dump())
+    yield sse("[DONE]")
+
+
+def usage(served: ServedRequest) -> p.UsageInfo:
+    prompt_tokens, completion_tokens = served.usage()
+    return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                       total_tokens=prompt_tokens + completion_tokens)
+
+
+# ---- the API --------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(server: Server):
+    loop = server.loop
+    if loop.error is not None:
+        raise APIError(503, loop.error, kind="server_error", code="engine_failed")
+    # Steps that raised: their requests got a 500 (or an error event) and the engine was reset.
+    allocator = loop.engine.allocator
+    return {"status": "ok", "step_failures": loop.num_step_failures, "last_step_failure": loop.last_step_failure,
+            "kv_blocks_free": allocator.num_free_blocks, "kv_blocks": allocator.num_blocks}
+
+
+@router.get("/v1/models", response_model=p.ModelList)
+async def models(server: Server):
+    return p.ModelList(data=[p.ModelCard(id=server.model_name, max_model_len=server.max_model_len)])
+
+
+@router.post("/v1/completions", response_model=p.CompletionResponse, responses=EVENT_STREAM)
+async def completions(req: p.CompletionRequest, request: Request, server: Server):
+    check_model(server, req.model)
+    prompt_ids = encode(server, req.prompt, "prompt")
+    params = request_params(server, req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "prompt",
+                            "max_tokens")
+    served = submit(server, prompt_ids, params, req.stop_strings())
+    form = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name)
+    return await respond(served, request, req, form)
+
+
+@router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=EVENT_STREAM)
+async def chat_completions(req: p.ChatCompletionRequest, request: Request, server: Server):
+    check_model(server, req.model)
+    if server.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, so it has no chat template; use /v1/completions "
+                            "with token ids", "messages")
+    try:
+        prompt = server.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+    except Exception as e:  # the template's own complaint (e.g. roles in an order it refuses)
+        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
+    prompt_ids = encode(server, prompt, "messages")
+    limit, field = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
+                    else (req.max_tokens, "max_tokens"))
+    params = request_params(server, req, prompt_ids, limit, "messages", field)
+    served = submit(server, prompt_ids, params, req.stop_strings())
+    form = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name)
+    return await respond(served, request, req, form)
+
+
+# ---- observability ----------------------------------------------------------------------------
+
+
+@router.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
+async def prometheus(server: Server):
+    return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/", response_class=HTMLResponse)
+async def dashboard():
+    return HTMLResponse(resources.files("minicb.serve").joinpath("dashboard.html").read_text(encoding="utf-8"))
+
+
+@router.get("/v1/dashboard/steps", responses=EVENT_STREAM)
+async def dashboard_steps(server: Server):
+    engine = server.engine
+    hello = {"model": server.model_name, "num_slots": engine.config.max_num_seqs,
+             "num_blocks": engine.allocator.num_blocks, "block_size": engine.allocator.block_size,
+             "max_waiting": server.loop.max_waiting}
+    return StreamingResponse(dashboard_events(server.loop, hello), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+
+def create_app(llm, model_name: str, max_waiting: int = 256, max_body_bytes: int = MAX_BODY_BYTES,
+               max_buffered_steps: int = MAX_BUFFERED_STEPS) -> FastAPI:
     """A FastAPI app serving `llm` as `model_name`: a minicb.LLM, or what minicb.llm.build returns
     (the server's); either way its `.engine` (built with keep_traces=1, for the dashboard) and `.tokenizer`.
 
     The engine thread starts with the app (lifespan) and stops with it: whatever
     is still waiting or running then ends as an abort.
     """
-    engine, tokenizer = llm.engine, llm.tokenizer
     metrics = ServerMetrics()
-    loop = EngineLoop(engine, max_waiting=max_waiting, metrics=metrics)
-    max_model_len = engine.scheduler.max_model_len
-    decode = tokenizer.decode if tokenizer is not None else None
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loop.warm_up()  # before the first request: compiles kernels (blocks startup, not a user)
-        loop.start(asyncio.get_running_loop())
-        metrics.engine_state(engine)
-        try:
-            yield
-        finally:
-            loop.stop()
-
+    loop = EngineLoop(llm.engine, max_waiting=max_waiting, metrics=metrics, max_buffered_steps=max_buffered_steps)
     app = FastAPI(title="minicb", summary="minicb's continuous-batching engine behind the OpenAI API",
-                  lifespan=lifespan)
-    app.state.loop, app.state.metrics, app.state.model_name = loop, metrics, model_name
+                  lifespan=lifespan, responses=ERROR_RESPONSES)
+    app.state.server = ServerState(loop, llm.tokenizer, model_name, metrics)
+    app.state.loop = loop  # what the shutdown (minicb/serve/server.py) drains and closes
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refused=lambda: metrics.rejected_request(413))
-
-    # ---- errors: always OpenAI's shape ------------------------------------------------
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        metrics.rejected_request(e.status)
-        return e.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, e: RequestValidationError):
-        error = e.errors()[0]
-        where = [str(part) for part in error.get("loc", ()) if part != "body"]
-        if error.get("type") == "json_invalid":
-            message, param = f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", None
-        else:
-            # pydantic names the union member in the location ("prompt", "str"); keep the field.
-            param = where[0] if where else None
-            field = ".".join(w for w in where if w not in ("str", "list[int]", "list[str]", "list[TextPart]"))
-            message = f"{field or 'body'}: {error['msg']}"
-            if "input" in error and error["input"] is not None and len(repr(error["input"])) < 80:
-                message += f" (got {error['input']!r})"
-        metrics.rejected_request(400)
-        return APIError(400, message, param, code=error.get("type")).response()
-
-    @app.exception_handler(EngineError)
-    async def engine_error(request: Request, e: EngineError):
-        return APIError(500, str(e), kind="server_error", code="engine_failed").response()
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, e: Exception):  # a bug: still OpenAI's shape (uvicorn logs the traceback)
-        return APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        return APIError(e.status_code, str(e.detail), kind="not_found_error" if e.status_code == 404 else
-                        "invalid_request_error").response()
-
-    # ---- checking a request -------------------------------------------------------------
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(400, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
-
-    def encode(prompt, param: str) -> list[int]:
-        """Token ids, as they come; whether the engine can take them is its own check's to say."""
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids", param)
-            return tokenizer.encode(prompt)
-        return list(prompt)
-
-    def request_params(req: p._Sampling, prompt_ids: list[int], max_tokens: int | None, prompt_field: str,
-                       max_tokens_field: str) -> SamplingParams:
-        """The request's SamplingParams, once the engine has said it could serve them (else a 400).
-        prompt_field, max_tokens_field: what this route calls the prompt and the length limit."""
-        unsupported = req.unsupported()
-        if unsupported:
-            raise APIError(400, f"minicb does not support {', '.join(unsupported)}; leave it unset", unsupported[0])
-        if any(not s for s in req.stop_strings()):
-            raise APIError(400, "stop strings must not be empty", "stop")
-        if max_tokens is None:  # as many as the context and the pool leave after the prompt
-            pool_tokens = engine.allocator.num_blocks * engine.allocator.block_size
-            # At least 1: a prompt that leaves no room is the engine's to refuse, naming the prompt.
-            max_tokens = max(1, min(max_model_len, pool_tokens) - len(prompt_ids))
-        try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
-                                    top_p=req.top_p, seed=req.seed, n=req.n, ignore_eos=req.ignore_eos,
-                                    stop_token_ids=list(req.stop_token_ids or []))
-        except ValueError as e:  # SamplingParams names the field first: "max_tokens=0; it must be ..."
-            field = str(e).split("=", 1)[0]
-            raise APIError(400, str(e), max_tokens_field if field == "max_tokens" else field) from None
-        try:
-            engine.check_request(prompt_ids, params)  # reads only sizes fixed at start: safe off the engine thread
-        except RequestRejected as e:  # the engine names fields as /v1/completions does; this route may not
-            param = {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(e.param, e.param)
-            raise APIError(400, str(e), param, e.code) from None
-        return params
-
-    def submit(prompt_ids: list[int], params: SamplingParams, stop: list[str]) -> ServedRequest:
-        try:
-            handle = loop.submit(prompt_ids, params)
-        except QueueFull as e:
-            raise APIError(503, str(e), kind="server_overloaded", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except NotServing as e:
-            raise APIError(503, str(e), kind="server_unavailable", code="not_serving") from None
-        metrics.accepted(len(prompt_ids))
-        return ServedRequest(loop, handle, decode, stop)
-
-    # ---- answering ------------------------------------------------------------------------
-
-    async def gather(served: ServedRequest, request: Request) -> tuple[list[str], list[list[int]]]:
-        """Run a request to its end; abort it if the client disconnects first."""
-        texts = [""] * served.handle.params.n
-        ids: list[list[int]] = [[] for _ in texts]
-
-        async def collect():
-            async for deltas in served.deltas():
-                for d in deltas:
-                    texts[d.completion] += d.text
-                    ids[d.completion] += d.token_ids
-
-        async def disconnected():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work, watch = asyncio.create_task(collect()), asyncio.create_task(disconnected())
-        try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():  # the client is gone (or this handler was cancelled): abort, and wait for it
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-            served.close()
-        if work.cancelled():
-            raise asyncio.CancelledError  # nobody is left to read an answer
-        work.result()  # re-raises an engine failure
-        return texts, ids
-
-    def sse(data) -> str:
-        return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
-
-    async def stream(served: ServedRequest, chunk, first=None, include_usage: bool = False, send_ids: bool = False):
-        """Server-sent events: `first` chunks, one chunk per completion per step, usage, [DONE].
-        A step that added no text (half a character, a held-back stop string) sends nothing,
-        unless the client asked for token ids."""
-        try:
-            for c in first or []:
-                yield sse(c)
-            async for deltas in served.deltas():
-                for d in deltas:
-                    if d.text or d.finish_reason is not None or (send_ids and d.token_ids):
-                        yield sse(chunk(d))
-            if include_usage:
-                prompt_tokens, completion_tokens = served.usage()
-                yield sse({**chunk(None), "choices": [],
-                           "usage": p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                                total_tokens=prompt_tokens + completion_tokens).model_dump()})
-        except EngineError as e:
-            yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error", code=500)).model_dump())
-        yield sse("[DONE]")
-
-    def usage(served: ServedRequest) -> p.UsageInfo:
-        prompt_tokens, completion_tokens = served.usage()
-        return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           total_tokens=prompt_tokens + completion_tokens)
-
-    # ---- the API ----------------------------------------------------------------------------
-
-    @app.get("/health")
-    async def health():
-        if loop.error is not None:
-            raise APIError(503, loop.error, kind="server_error", code="engine_failed")
-        # Steps that raised: their requests got a 500 (or an error event) and the engine was reset.
-        allocator = loop.engine.allocator
-        return {"status": "ok", "step_failures": loop.num_step_failures, "last_step_failure": loop.last_step_failure,
-                "kv_blocks_free": allocator.num_free_blocks, "kv_blocks": allocator.num_blocks}
-
-    @app.get("/v1/models", response_model=p.ModelList)
-    async def models():
-        return p.ModelList(data=[p.ModelCard(id=model_name, max_model_len=max_model_len)])
-
-    @app.post("/v1/completions")
-    async def completions(req: p.CompletionRequest, request: Request):
-        check_model(req.model)
-        prompt_ids = encode(req.prompt, "prompt")
-        params = request_params(req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "prompt",
-                                "max_tokens")
-        served = submit(prompt_ids, params, req.stop_strings())
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        ids_if = (lambda ids: ids if req.return_token_ids else None)
-
-        if req.stream:
-            def chunk(d):
-                choices = [] if d is None else [p.CompletionChoice(
-                    index=d.completion, text=d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                    token_ids=ids_if(d.token_ids))]
-                return p.CompletionResponse(id=rid, created=created, model=model_name, choices=choices).model_dump()
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(served, chunk, None, include_usage, req.return_token_ids),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(served.close))
-        texts, ids = await gather(served, request)
-        choices = [p.CompletionChoice(index=i, text=texts[i], finish_reason=served.finish_reasons[i],
-                                      stop_reason=served.stop_reasons[i], token_ids=ids_if(ids[i]))
-                   for i in range(len(texts))]
-        return p.CompletionResponse(id=rid, created=created, model=model_name, choices=choices, usage=usage(served))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: p.ChatCompletionRequest, request: Request):
-        check_model(req.model)
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so it has no chat template; use /v1/completions "
-                                "with token ids", "messages")
-        try:
-            prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
-        except Exception as e:  # the template's own complaint (e.g. roles in an order it refuses)
-            raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
-        prompt_ids = encode(prompt, "messages")
-        limit, field = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
-                        else (req.max_tokens, "max_tokens"))
-        params = request_params(req, prompt_ids, limit, "messages", field)
-        served = submit(prompt_ids, params, req.stop_strings())
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        ids_if = (lambda ids: ids if req.return_token_ids else None)
-
-        if req.stream:
-            def chunk(d):
-                choices = [] if d is None else [p.ChatStreamChoice(
-                    index=d.completion, delta=p.DeltaMessage(content=d.text), finish_reason=d.finish_reason,
-                    stop_reason=d.stop_reason, token_ids=ids_if(d.token_ids))]
-                return p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=choices).model_dump()
-            # OpenAI's first chunk of each choice names the role, with empty content.
-            first = [p.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[
-                p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))]).model_dump()
-                for i in range(params.n)]
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(served, chunk, first, include_usage, req.return_token_ids),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(served.close))
-        texts, ids = await gather(served, request)
-        choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=texts[i]),
-                                finish_reason=served.finish_reasons[i], stop_reason=served.stop_reasons[i],
-                                token_ids=ids_if(ids[i])) for i in range(len(texts))]
-        return p.ChatCompletionResponse(id=rid, created=created, model=model_name, choices=choices,
-                                        usage=usage(served))
-
-    # ---- observability -------------------------------------------------------------------
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/", response_class=HTMLResponse)
-    async def dashboard():
-        return HTMLResponse(resources.files("minicb.serve").joinpath("dashboard.html").read_text(encoding="utf-8"))
-
-    @app.get("/v1/dashboard/steps")
-    async def dashboard_steps():
-        hello = {"model": model_name, "num_slots": engine.config.max_num_seqs,
-                 "num_blocks": engine.allocator.num_blocks, "block_size": engine.allocator.block_size,
-                 "max_waiting": max_waiting}
-        return StreamingResponse(dashboard_events(loop, hello), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
+    for kind, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(kind, handler)
+    app.include_router(router)
     return app

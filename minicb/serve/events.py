@@ -1,13 +1,14 @@
-"""What crosses between the event loop and the engine thread: handles, commands' results, events.
+"""What crosses between the event loop and the engine thread: handles, commands, their results, events.
 
 In this file you will learn the vocabulary of minicb/serve/loop.py. The HTTP
 handlers and the engine thread share nothing but these objects:
 
 - a RequestHandle is one HTTP request as the engine loop sees it; the handler
   keeps it and reads its `events` queue;
-- the handler's commands travel through the inbox as (kind, handle, completion)
-  tuples: ("add", handle, None), ("abort", handle, completion or None),
-  ("stop", None, None);
+- the handler's commands travel through the inbox as Commands, typed
+  (kind, handle, completion) tuples: Command.add(handle) is ("add", handle, None),
+  Command.abort(handle, completion) is ("abort", handle, completion or None),
+  Command.stop() is ("stop", None, None);
 - the engine thread answers with lists of events, one list per step that touched
   the request: Token, Finished, or Failed when the engine itself broke;
 - `Owners` is the engine thread's own map from engine request ids (what
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, get_args
 
 from minicb.sampling import SamplingParams
 
@@ -53,8 +55,11 @@ class RequestHandle:
     """One HTTP request as the engine loop sees it.
 
     `events` gets one list of Token / Finished / Failed per engine step that
-    touched the request, in order. Fields after `events` belong to the engine
-    thread (request_id, ended) or to the event loop (queued).
+    touched the request, in order. It is bounded: a reader that falls
+    `max_buffered_steps` lists behind (EngineLoop's) has its request aborted,
+    `too_slow` set, and one last list of Finished(c, "abort") (loop.py's
+    `_deliver`). Fields after `events` belong to the engine thread (request_id,
+    ended) or to the event loop (queued, too_slow).
 
     A request with n > 1 completions is one handle and one engine request id:
     the engine names every token by that id and the completion's index.
@@ -70,6 +75,56 @@ class RequestHandle:
     # params.n have ended, the request leaves `owners`.
     ended: set[int] = field(default_factory=set)
     queued: bool = True  # counted against max_waiting until its first token (event-loop side)
+    too_slow: bool = False  # its reader fell too far behind; it was aborted (event-loop side)
+
+
+# ---- what a handler asks of the engine thread --------------------------------------------
+
+CommandKind = Literal["add", "abort", "stop"]
+
+
+class _CommandFields(NamedTuple):
+    kind: CommandKind
+    handle: RequestHandle | None  # None for "stop"
+    completion: int | None  # "abort": one completion, or None for all of them; None otherwise
+
+
+class Command(_CommandFields):
+    """One message to the engine thread, through EngineLoop's inbox.
+
+    A tuple, so the engine thread can unpack it (`for kind, handle, completion in
+    commands:`) and a plain ("add", handle, None) compares equal to it; the
+    constructors, and Command(...) itself, refuse a kind or a shape that the
+    engine thread would not understand.
+
+        Command.add(handle)                  # ("add", handle, None): queue the request in the engine
+        Command.abort(handle, completion)    # ("abort", handle, completion): None stops all of it
+        Command.stop()                       # ("stop", None, None): end the engine thread
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, kind: CommandKind, handle: RequestHandle | None = None, completion: int | None = None):
+        if kind not in get_args(CommandKind):
+            raise ValueError(f"a command's kind is {kind!r}; it must be one of {get_args(CommandKind)}")
+        if (handle is None) != (kind == "stop"):
+            raise ValueError(f"the {kind!r} command {'takes no' if kind == 'stop' else 'needs a'} handle; got "
+                             f"{type(handle).__name__ if handle is not None else None}")
+        if completion is not None and kind != "abort":
+            raise ValueError(f"only an abort names a completion; the {kind!r} command got completion={completion!r}")
+        return super().__new__(cls, kind, handle, completion)
+
+    @classmethod
+    def add(cls, handle: RequestHandle) -> Command:
+        return cls("add", handle)
+
+    @classmethod
+    def abort(cls, handle: RequestHandle, completion: int | None = None) -> Command:
+        return cls("abort", handle, completion)
+
+    @classmethod
+    def stop(cls) -> Command:
+        return cls("stop")
 
 
 # engine request id (what add_request returned) -> its handle, while any of its completions may still

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"the model's id in the API (default: {DEFAULT_MODEL_NAME}, or the model file's name)")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests that may wait for their first token; more get 503 + Retry-After (default 256)")
+    # Its default is app.py's MAX_BODY_BYTES, read in main: importing app.py here would load torch for --help.
+    ap.add_argument("--max-body-bytes", type=int, default=None,
+                    help="the largest request body accepted, in bytes; a larger one gets 413 (default: "
+                         "MAX_BODY_BYTES of minicb/serve/app.py, 4 MiB)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds running requests get to finish on Ctrl-C / SIGTERM before they are aborted")
     ap.add_argument("--threads", type=int, default=None,
@@ -68,6 +72,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("port", "max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        ap.error(f"--max-body-bytes={args.max_body_bytes}; it must be >= 1")
     return args
 
 
@@ -89,8 +95,15 @@ def make_server(app, host: str, port: int | None = None, shutdown_timeout: float
                 engine_loop.close_after(max(0.0, shutdown_timeout - min(1.0, shutdown_timeout / 4)))
             super().handle_exit(sig, frame)
 
+    # Clients that connect and send nothing, or half a header, cost one socket and a parser
+    # each and hold up nobody: asyncio serves the others meanwhile. So no limit_concurrency:
+    # uvicorn counts open connections against it, silent ones too, and would answer real
+    # requests 503 once enough idle ones are open. backlog: connections the kernel queues
+    # before accepting (a burst of clients). h11 buffers at most 16 KiB of an unfinished
+    # header per connection, then answers 400 and closes it.
     config = uvicorn.Config(app, host=host, port=port or 8000, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
+                            timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug",
+                            limit_concurrency=None, backlog=2048, h11_max_incomplete_event_size=16 * 1024)
     return DrainingServer(config)
 
 
@@ -134,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from minicb.triton_mode import choose_triton_mode
     choose_triton_mode()  # before anything imports triton: interpret its kernels when there is no GPU
     from minicb.llm import build
-    from minicb.serve.app import create_app
+    from minicb.serve.app import MAX_BODY_BYTES, create_app
 
     if args.threads:
         from minicb.cpu_attention import set_num_threads
@@ -146,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or model_name(args.model)
-    app = create_app(built, name, max_waiting=args.max_waiting)
+    max_body_bytes = MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
+    app = create_app(built, name, max_waiting=args.max_waiting, max_body_bytes=max_body_bytes)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (dashboard: http://{args.host}:{args.port}/)",
           flush=True)
     make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level).run()
