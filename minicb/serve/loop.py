@@ -14,17 +14,23 @@ web server that holds thousands of connections on one asyncio event loop.
 Three rules keep it correct:
 
 1. **One owner.** Only the engine thread touches the engine, the scheduler and
-   the allocator. Handlers never call them; they put commands into `inbox`, a
-   thread-safe `queue.Queue`. The thread drains the inbox before every step, so an
-   abort (a client that hung up, a stop string) frees the request's blocks before
-   the next step runs: within one step.
+   the allocator. Handlers never call them; they put Commands (`Command.add`,
+   `Command.abort`, `Command.stop`) into `inbox`, a thread-safe `queue.Queue`.
+   The thread drains the inbox before every step, so an abort (a client that
+   hung up, a stop string) frees the request's blocks before the next step
+   runs: within one step.
 2. **One hand-off per step.** The thread groups the step's new tokens and
    finished completions per request and hands the whole step to the event loop
    with a single `loop.call_soon_threadsafe`; each handle's asyncio queue then gets
    one list of events. Waking the event loop once per token would cost more than
    the tokens.
-3. **The engine thread never waits for a client.** Asyncio queues are unbounded,
-   and a slow reader only delays itself.
+3. **The engine thread never waits for a client, and a client never holds the
+   engine's memory.** A handle's queue holds at most `max_buffered_steps` lists
+   (1024 by default). A client that reads so slowly that it fills them (its
+   TCP buffers are full and it does not read on) has its request aborted at
+   once: its KV blocks are free before the next step, later steps are dropped
+   for it, and if it ever reads on, its stream ends with finish_reason "abort"
+   and [DONE]. /metrics counts it in minicb_requests_too_slow_total.
 
 A request with n > 1 completions (parallel sampling) is one handle and one
 engine request id: the engine names each new token and each finished sequence
@@ -41,7 +47,7 @@ gets through `impl.load("serve.loop")` every step (chapter 09's exercise):
 `take_commands` drains the inbox, `apply_commands` adds and aborts requests in
 the engine, and `group_step` turns a StepOutput into each handle's events.
 Everything else here (threads, the hand-off, metrics) is given. The objects
-they pass around (RequestHandle, Token, Finished, Failed, Applied) are in
+they pass around (Command, RequestHandle, Token, Finished, Failed, Applied) are in
 minicb/serve/events.py and re-exported here.
 """
 from __future__ import annotations
@@ -58,7 +64,8 @@ from dataclasses import dataclass
 from minicb import impl
 from minicb.engine import Engine, StepOutput
 from minicb.sampling import SamplingParams
-from minicb.serve.events import Applied, Failed, Finished, Owners, RequestHandle, Token  # noqa: F401  # re-exported
+# re-exported: the chapter's code and the server import them from here
+from minicb.serve.events import Applied, Command, Failed, Finished, Owners, RequestHandle, Token  # noqa: F401
 from minicb.trace import StepTrace
 
 
@@ -75,8 +82,8 @@ class NotServing(RuntimeError):
 
 # ---- the engine thread's three jobs (chapter 09's exercise) -------------------------------
 
-def take_commands(inbox: queue.Queue, wait: bool) -> list[tuple]:
-    """Everything in `inbox` now, oldest first, as a list of (kind, handle, completion).
+def take_commands(inbox: queue.Queue, wait: bool) -> list[Command]:
+    """Everything in `inbox` now, oldest first: a list of Commands, each a (kind, handle, completion) tuple.
 
     wait=True (the engine is idle, nothing to step): block until one command comes,
     then take whatever else is there without waiting. wait=False (the engine is
@@ -91,9 +98,10 @@ def take_commands(inbox: queue.Queue, wait: bool) -> list[tuple]:
             return commands
 
 
-def apply_commands(engine: Engine, owners: Owners, commands: list[tuple]) -> Applied:
+def apply_commands(engine: Engine, owners: Owners, commands: list[Command]) -> Applied:
     """Carry out the handlers' commands, in order, on the engine (engine thread only).
 
+    Each is a Command, unpacked as (kind, handle, completion):
     ("add", handle, None): engine.add_request(handle.prompt_token_ids, handle.params,
     arrival_time=handle.arrival); its id becomes handle.request_id, and owners[id] = handle.
     If the engine raises, the handle gets [Failed("TypeName: message")] in `failed`
@@ -177,6 +185,10 @@ class StepRecord:
 
 
 RATE_WINDOW_S = 2.0
+# Step lists a request's reader may fall behind before the request is aborted (EngineLoop's
+# max_buffered_steps): 10 s of not reading at a GPU's 10 ms a step, nearly two minutes at a
+# CPU's 0.1 s. A list is a few small objects, so even a full queue costs kilobytes.
+MAX_BUFFERED_STEPS = 1024
 
 
 class EngineLoop:
@@ -192,17 +204,23 @@ class EngineLoop:
     metrics: a ServerMetrics (minicb/serve/metrics.py), told on the engine thread
     what every step did, with the time to first token and the gaps between tokens
     measured here, where the tokens leave the engine.
+    max_buffered_steps: step lists a request's reader may fall behind before its
+    request is aborted (rule 3 above; `_deliver`).
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None):
+    def __init__(self, engine: Engine, max_waiting: int = 256, metrics=None,
+                 max_buffered_steps: int = MAX_BUFFERED_STEPS):
         if engine.traces.maxlen is None:
             raise ValueError("the engine keeps every step's trace (keep_traces=None), which a server running for "
                              "days cannot afford; build it with keep_traces=1 (the dashboard needs the last one)")
+        if max_buffered_steps < 1:
+            raise ValueError(f"max_buffered_steps={max_buffered_steps}; it must be >= 1")
+        self.max_buffered_steps = max_buffered_steps
         if max_waiting < 1:
             raise ValueError(f"max_waiting={max_waiting}; it must be >= 1")
         self.engine, self.max_waiting = engine, max_waiting
         self.metrics = metrics
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue[Command] = queue.Queue()  # Commands only: see minicb/serve/events.py
         self.num_queued = 0  # handles waiting for their first token (event-loop side)
         self.error: str | None = None  # set if the engine raised; the loop has stopped
         self.num_step_failures = 0  # steps that raised: their requests failed, the loop went on
@@ -257,10 +275,12 @@ class EngineLoop:
         if self.num_queued >= self.max_waiting:
             raise QueueFull(f"{self.num_queued} requests are already waiting for their first token "
                             f"(the limit is {self.max_waiting}); retry shortly")
-        handle = RequestHandle(list(prompt_token_ids), params, asyncio.Queue(), next(self._ids))
+        # Room for max_buffered_steps lists, and the one that ends a request that fell behind (_deliver).
+        handle = RequestHandle(list(prompt_token_ids), params, asyncio.Queue(self.max_buffered_steps + 1),
+                               next(self._ids))
         self.num_queued += 1
         self._handles.add(handle)
-        self.inbox.put(("add", handle, None))
+        self.inbox.put(Command.add(handle))
         return handle
 
     def abort(self, handle: RequestHandle, completion: int | None = None) -> None:
@@ -274,7 +294,7 @@ class EngineLoop:
         """
         if completion is None:
             self._leave_queue(handle)
-        self.inbox.put(("abort", handle, completion))
+        self.inbox.put(Command.abort(handle, completion))
 
     def close(self) -> None:
         """Abort every request still waiting or running and end the thread, without waiting for it.
@@ -285,7 +305,7 @@ class EngineLoop:
         """
         self._stopping = True
         if self._thread is not None and self._thread.is_alive():
-            self.inbox.put(("stop", None, None))
+            self.inbox.put(Command.stop())
 
     def close_after(self, seconds: float) -> None:
         """close() in `seconds`, on the event loop. Safe to call from any thread (a signal handler)."""
@@ -321,9 +341,19 @@ class EngineLoop:
             self.num_queued -= 1
 
     def _deliver(self, batches: dict[RequestHandle, list], record: StepRecord | None) -> None:
-        """Runs on the event loop: hand each request its events of one step, and the dashboards the step."""
+        """Runs on the event loop: hand each request its events of one step, and the dashboards the step.
+
+        A request whose reader is `max_buffered_steps` lists behind gets this step's
+        list no more: it is aborted (`_too_slow`), and the lists of steps that ran
+        before its abort took effect are dropped.
+        """
         for handle, events in batches.items():
             self._leave_queue(handle)  # it has produced a token, or it has ended
+            if handle.too_slow:
+                continue
+            if handle.events.qsize() >= self.max_buffered_steps:
+                self._too_slow(handle)
+                continue
             handle.events.put_nowait(events)
         if record is not None:
             for feed in list(self.subscribers):
@@ -332,12 +362,24 @@ class EngineLoop:
                 except asyncio.QueueFull:
                     pass  # a page that cannot keep up misses steps
 
+    def _too_slow(self, handle: RequestHandle) -> None:
+        """Abort a request whose reader fell too far behind (event loop). Its blocks are free before
+        the next step; its queue ends with one Finished(c, "abort") per completion (a reader skips
+        those of completions it saw end), so a client that reads on still gets a last chunk and [DONE]."""
+        handle.too_slow = True
+        handle.events.put_nowait([Finished(c, "abort") for c in range(handle.params.n)])
+        self.abort(handle)
+        if self.metrics is not None:
+            self.metrics.too_slow_request()
+
     def _fail_all(self, message: str) -> None:
         """Runs on the event loop after the engine failed: every request still waiting for events ends.
-        (A handle that had already ended gets one more list, which nobody reads.)"""
+        (A handle that had already ended gets one more list, which nobody reads; one aborted as
+        too slow has its last list already.)"""
         for handle in list(self._handles):
             self._leave_queue(handle)
-            handle.events.put_nowait([Failed(message)])
+            if not handle.too_slow:
+                handle.events.put_nowait([Failed(message)])
 
     # ---- the engine thread ------------------------------------------------------------
 

@@ -15,6 +15,8 @@ healthy, and where each one is measured:
     minicb_inter_token_latency_seconds      one token -> the next of the same completion
     minicb_completions_finished_total{reason}  stop / length / abort
     minicb_requests_rejected_total{status}  400 (bad request) and 503 (queue full)
+    minicb_requests_too_slow_total          aborted because the client read so slowly that
+                                            max_buffered_steps steps piled up for it
     minicb_engine_steps_total               engine steps run
 
 The engine thread (minicb/serve/loop.py) sets the gauges and observes the
@@ -63,6 +65,9 @@ class ServerMetrics:
                                    ["reason"], registry=r)
         self.rejected = Counter("minicb_requests_rejected", "Requests refused, by HTTP status.", ["status"],
                                 registry=r)
+        self.too_slow = Counter("minicb_requests_too_slow",
+                                "Requests aborted because their client fell max_buffered_steps steps behind.",
+                                registry=r)
 
     # ---- engine thread ----------------------------------------------------------------
 
@@ -104,6 +109,9 @@ class ServerMetrics:
 
     def rejected_request(self, status: int) -> None:
         self.rejected.labels(str(status)).inc()
+
+    def too_slow_request(self) -> None:
+        self.too_slow.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
