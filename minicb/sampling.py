@@ -69,8 +69,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        # Drop a token when the tokens before it already reach top_p; the first always stays
+        # (set outright: a top_p below float32's smallest number rounds to 0, and 0 >= 0).
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -82,7 +84,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Not for greedy params (temperature 0). Chapter 11's rejection sampler
     verifies drafts against exactly this distribution.
     """
-    rows = logits.reshape(-1, logits.shape[-1]) / params.temperature
+    rows = logits.reshape(-1, logits.shape[-1])
+    # Shift each row's largest logit to 0 before dividing: the distribution is the same, and a
+    # tiny temperature sends the others to -inf instead of every logit to +-inf (NaN). One below
+    # the dtype's smallest normal number (1e-300 is 0 in float32) is taken as that number.
+    temperature = max(params.temperature, torch.finfo(rows.dtype).tiny)
+    rows = (rows - rows.max(-1, keepdim=True).values) / temperature
     filtered = torch.stack([filter_logits(row, params.top_k, params.top_p) for row in rows])
     return filtered.softmax(-1).reshape(logits.shape)
 
