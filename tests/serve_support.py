@@ -1,10 +1,8 @@
 """What the server tests (tests/test_server*.py) share: a tiny model with a tokenizer, and a server to run it.
 
-The tiny random model (minicb.model.random_model) has 256 token ids, so a byte
-tokenizer fits it exactly: token id = one UTF-8 byte. Its greedy answers are
-random bytes, often not valid UTF-8, which is just what the server's incremental
-decoding must survive (half characters, replacement characters). It makes the
-text paths testable in milliseconds per step, without SmolLM2.
+The tiny random model (minicb.model.random_model) with a byte tokenizer (token
+id = one UTF-8 byte; minicb/serve/tiny.py, which also serves it from the
+command line) makes the text paths testable in milliseconds per step, without SmolLM2.
 """
 from __future__ import annotations
 
@@ -15,27 +13,7 @@ from minicb.llm import LLM
 from minicb.model import random_model
 from minicb.serve.app import create_app
 from minicb.serve.server import serve_in_thread
-
-TINY = "tiny-random"  # the served model name
-
-
-class ByteTokenizer:
-    """Token id = byte. Ids 1 (BOS) and 2 (EOS, tiny_config's) are special and decode to nothing."""
-
-    eos_token_id = 2
-    special = {1, 2}
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        kept = [t for t in token_ids if not (skip_special_tokens and t in self.special)]
-        return bytes(kept).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
-        return self.encode(text)
-
+from minicb.serve.tiny import TINY, ByteTokenizer  # noqa: F401 (the tests import both from here)
 
 _MODEL = None
 
