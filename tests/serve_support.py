@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 
 from minicb.llm import LLM
 from minicb.model import random_model
@@ -58,3 +59,14 @@ def sse_events(lines) -> list[dict | str]:
             data = line[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
+    """predicate()'s first truthy value, asked every `interval` s; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"waited {timeout} s for {what}")

@@ -21,23 +21,13 @@ import pytest
 
 from minicb.sampling import SamplingParams
 from minicb.serve.loop import EngineLoop, Finished, Token
-from serve_support import TINY, ByteTokenizer, metric, sse_events, tiny_llm, tiny_server
+from serve_support import TINY, ByteTokenizer, metric, sse_events, tiny_llm, tiny_server, wait_for
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 def offline(prompts, params, **engine_config):
     return tiny_llm(**engine_config).generate(prompts, params, use_tqdm=False)
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"waited {timeout} s for {what}")
 
 
 def stream_post(client: httpx.Client, path: str, body: dict) -> list:

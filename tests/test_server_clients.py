@@ -25,7 +25,7 @@ import httpx
 from minicb.sampling import SamplingParams
 from minicb.serve.app import create_app
 from minicb.serve.server import serve_in_thread
-from serve_support import TINY, metric, sse_events, tiny_llm, tiny_server
+from serve_support import TINY, metric, sse_events, tiny_llm, tiny_server, wait_for
 
 
 def greedy(prompts, max_tokens, ignore_eos=None):
@@ -33,16 +33,6 @@ def greedy(prompts, max_tokens, ignore_eos=None):
     ignore_eos = ignore_eos or [False] * len(prompts)
     params = [SamplingParams(max_tokens=m, ignore_eos=i) for m, i in zip(max_tokens, ignore_eos)]
     return [out.token_ids for out in tiny_llm().generate(prompts, params, use_tqdm=False)]
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"waited {timeout} s for {what}")
 
 
 def http_request(url: str, body: dict) -> bytes:
