@@ -369,3 +369,18 @@ def test_check_cannot_grade_a_file_that_does_not_import(tmp_path, capsys):
     assert check.main(["3", "--file", str(broken), "--format", "gradescope", "--out", str(out)]) == 2
     graded = json.loads(out.read_text())
     assert graded["score"] == 0 and "boom at import" in graded["output"], graded
+
+
+def test_a_failed_sequence_comparison_shows_both_sides_around_the_first_difference():
+    # The grader's plugin explains `assert a == b` on token lists and texts: the index of the first
+    # difference and a window of each side there, where pytest's own summary cuts both from the start.
+    left, right = list(range(100)), list(range(100))
+    right[70] = -1
+    summary, where = check.pytest_assertrepr_compare(None, "==", left, right)
+    assert "first difference at index 70" in where and "70 != -1" in where, where
+    assert "69, 70, 71" in summary and "69, -1, 71" in summary and "0, 1, 2" not in summary, summary
+    _, where = check.pytest_assertrepr_compare(None, "==", [1, 2, 3], [1, 2])
+    assert "index 2" in where and "one side ends there" in where, where
+    _, where = check.pytest_assertrepr_compare(None, "==", "a lone text", "a long text")
+    assert "index 5" in where and "'e' != 'g'" in where, where
+    assert check.pytest_assertrepr_compare(None, "==", {1: 2}, {1: 3}) is None  # pytest's own diff is fine there
