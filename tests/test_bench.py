@@ -166,6 +166,43 @@ def test_run_workload_ratios_errors_and_agreement():
     assert len({line.count("|") for line in table.splitlines()}) == 1, "every row needs the same number of cells"
 
 
+def test_run_workload_rounds_take_turns_and_ratios_pair_rounds():
+    calls = []
+
+    def fake(name, speeds, fail_in_round=None):
+        # Round i runs at speeds[i] tok/s: each request's 2 tokens end at 2 / speed.
+        def run(requests, arrivals, progress):
+            round_ = sum(c == name for c in calls)
+            calls.append(name)
+            if round_ == fail_in_round:
+                raise RuntimeError(f"{name} broke in round {round_}")
+            speed = speeds[round_]
+            timings = [metrics.RequestTiming(0.0, 1 / speed, 2 / speed, 2) for _ in requests]
+            return runners.EngineResult([[1, 2] for _ in requests], timings, utilisation=1.0, kv_waste_pct=0.0)
+        return run
+
+    requests = [workloads.Request([5, 6], max_tokens=4)]
+    # Machine speed drifts: both engines slow down together in round 1, then recover.
+    rows = runners.run_workload({"minicb-continuous": fake("minicb-continuous", [30, 12, 33]),
+                                 "hf-generate": fake("hf-generate", [10, 3, 10]),
+                                 "minicb-static": fake("minicb-static", [20, 20, 20], fail_in_round=1)},
+                                requests, None, rounds=3)
+    assert calls == ["minicb-continuous", "hf-generate", "minicb-static"] * 2 + ["minicb-continuous", "hf-generate"], \
+        f"the engines must take turns, round after round, and one that failed drop out; ran {calls}"
+    fast = rows["minicb-continuous"]
+    assert fast["output_tok_s_rounds"] == pytest.approx([30, 12, 33])
+    assert fast["output_tok_s"] == pytest.approx(30), "the row is the engine's median round"
+    # Per-round ratios 3.0, 4.0, 3.3: their median is 3.3, where the ratio of medians would be 30 / 10 = 3.0.
+    assert fast["speedup_vs_hf-generate"] == pytest.approx(3.3)
+    assert rows["minicb-static"] == {"error": "RuntimeError: minicb-static broke in round 1"}
+    assert fast["speedup_vs_minicb-static"] is None and fast["same_as_continuous"] == 1
+    table = report.markdown_table(rows, num_requests=1)
+    assert "| tok/s per round |" in table.splitlines()[0] and "| 30.0, 12.0, 33.0 |" in table
+    assert len({line.count("|") for line in table.splitlines()}) == 1, "every row needs the same number of cells"
+    with pytest.raises(ValueError, match="rounds=0"):
+        runners.run_workload({}, requests, None, rounds=0)
+
+
 def test_correctness_guard_reports_the_first_differing_token(monkeypatch):
     model = random_model()
     requests = [workloads.Request([10 + i, 20, 30], max_tokens=4, ignore_eos=True) for i in range(3)]

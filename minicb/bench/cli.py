@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "ignored, capped at --max-tokens (tools/gpu_bundle.py makes it from the real model; for "
                          "random weights, whose answers have no natural end)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the engines this many times, in turns (A, B, A, B, ...), and report each engine's "
+                         "median round and the median of the per-round ratios: on a shared machine, a slow "
+                         "stretch then falls on every engine alike")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch and the compiled decode (default: every core). On a CPU shared with other jobs, 1 can be "
                          "many times faster: a parallel op waits for its slowest thread")
@@ -84,7 +88,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     if args.rate < 0:
         ap.error(f"--rate={args.rate}; it must be > 0 requests/s, or 0 for all at once")
-    for name in ("num_prompts", "max_tokens", "max_num_seqs", "hf_batch", "block_size", "threads"):
+    for name in ("num_prompts", "max_tokens", "max_num_seqs", "hf_batch", "block_size", "threads", "rounds"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")
     return args
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 run(warm, None, False)
             except Exception:
                 pass  # the timed run meets the same error and reports it in its row
-        rows = run_workload(engines, requests, arrivals)
+        rows = run_workload(engines, requests, arrivals, args.rounds)
         report["workloads"][workload] = {"description": description, "requests": len(requests), "engines": rows}
         print("\n" + markdown_table(rows, len(requests)))
 

@@ -22,6 +22,8 @@ import platform
 
 import torch
 
+from minicb.bench.runners import BASELINES
+
 
 def _fmt(value, spec: str, suffix: str = "", scale: float = 1.0) -> str:
     return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
@@ -29,18 +31,20 @@ def _fmt(value, spec: str, suffix: str = "", scale: float = 1.0) -> str:
 
 def markdown_table(rows: dict, num_requests: int) -> str:
     """One row per engine, as run_workload returns them; a number no engine could see reads n/a,
-    and an engine that failed gets its error in the second cell (every row keeps the same cells)."""
+    and an engine that failed gets its error in the second cell (every row keeps the same cells).
+    When the engines ran more than one round, a last column lists each round's tok/s."""
+    rounds = any(len(r.get("output_tok_s_rounds", ())) > 1 for r in rows.values())
     header = ("| engine | out tok/s | req/s | latency mean | p50 | p99 | TTFT mean | TPOT mean | ITL mean | "
               "ITL p99 | slot util | "
-              "busy slots | KV waste | prefill computed | prefix hits | tok/step | vs hf-generate | vs minicb-static | "
-              "same as continuous |")
+              "busy slots | KV waste | prefill computed | prefix hits | tok/step | vs hf-generate | "
+              "vs hf-generate-batch | vs minicb-static | same as continuous |" + (" tok/s per round |" if rounds else ""))
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for name, r in rows.items():
         if "error" in r:
             lines.append(f"| {name} | error: {r['error'][:200]} |" + " |" * (header.count(" | ") - 1))
             continue
         same = None if r["same_as_continuous"] is None else f"{r['same_as_continuous']}/{num_requests}"
-        lines.append(" | ".join([
+        cells = [
             f"| {name}", _fmt(r["output_tok_s"], ".1f"), _fmt(r["req_s"], ".2f"),
             _fmt(r["latency_mean_s"], ".2f", " s"), _fmt(r["latency_p50_s"], ".2f", " s"),
             _fmt(r["latency_p99_s"], ".2f", " s"), _fmt(r["ttft_mean_s"], ".2f", " s"),
@@ -49,8 +53,11 @@ def markdown_table(rows: dict, num_requests: int) -> str:
             _fmt(r["utilisation"], ".0f", "%", 100), _fmt(r.get("busy_slots"), ".0f", "%", 100),
             _fmt(r["kv_waste_pct"], ".0f", "%"), _fmt(r.get("prefill_tokens"), ",.0f"),
             _fmt(r.get("cache_hit_pct"), ".0f", "%"), _fmt(r.get("tokens_per_step"), ".2f"),
-            _fmt(r.get("speedup_vs_hf-generate"), ".2f", "x"), _fmt(r.get("speedup_vs_minicb-static"), ".2f", "x"),
-            (same or "n/a") + " |"]))
+            *[_fmt(r.get(f"speedup_vs_{baseline}"), ".2f", "x") for baseline in BASELINES],
+            same or "n/a"]
+        if rounds:
+            cells.append(", ".join(f"{x:.1f}" for x in r.get("output_tok_s_rounds", [])))
+        lines.append(" | ".join(cells) + " |")
     return "\n".join(lines)
 
 
