@@ -203,6 +203,12 @@ def test_run_workload_rounds_take_turns_and_ratios_pair_rounds():
         runners.run_workload({}, requests, None, rounds=0)
 
 
+def test_bench_refuses_rounds_below_one(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--rounds", "0"])
+    assert "--rounds=0; it must be >= 1" in capsys.readouterr().err
+
+
 def test_correctness_guard_reports_the_first_differing_token(monkeypatch):
     model = random_model()
     requests = [workloads.Request([10 + i, 20, 30], max_tokens=4, ignore_eos=True) for i in range(3)]
@@ -294,7 +300,7 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
         # tiny model has no tokenizer, so the prompts are random token ids with EOS ignored.
         code = cli.main(["--model", str(tmp_path / "tiny"), "--device", device, "--workload", "poisson",
                            "--num-prompts", "3", "--max-tokens", "5", "--slots", "2", "--hf-batch", "2",
-                           "--rate", "50", "--threads", "1", "--out", str(out),
+                           "--rate", "50", "--threads", "1", "--out", str(out), "--rounds", "2",
                            "--engines", ",".join(runners.ENGINES)])
     finally:
         torch.set_num_threads(threads)
@@ -305,6 +311,7 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
     for engine in runners.ENGINES:
         assert "error" not in rows[engine], f"{engine}: {rows[engine].get('error')}"
         assert rows[engine]["requests"] == 3 and rows[engine]["output_tok_s"] > 0
+        assert len(rows[engine]["output_tok_s_rounds"]) == 2, f"{engine} must run once a round"
     # Same weights, same greedy decoding, same ignore_eos: minicb's engines agree exactly.
     assert rows["minicb-naive"]["same_as_continuous"] == rows["minicb-static"]["same_as_continuous"] == 3
     assert rows["minicb-prefix-cache"]["same_as_continuous"] == 3, "prefix caching must not change greedy tokens"
