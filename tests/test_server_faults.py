@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 
 from minicb import SamplingParams
 from serve_support import sse_events, tiny_llm, tiny_server
@@ -75,3 +76,36 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_keeps_serving():
                                                use_tqdm=False)[0]
         assert got["choices"][0]["text"] == want.outputs[0].text, (got["choices"][0]["text"], want.outputs[0].text)
         assert client.get("/health").json()["step_failures"] == 1
+
+
+def test_the_warm_up_runs_on_the_engine_thread_and_a_failed_one_fails_startup():
+    import asyncio
+
+    from minicb.serve.loop import EngineLoop
+
+    llm = tiny_llm(max_num_seqs=2, keep_traces=1)
+    threads = []
+
+    class Recording:
+        def __init__(self, runner, fail):
+            self.runner, self.fail = runner, fail
+
+        def __call__(self, inputs):
+            threads.append(threading.current_thread().name)
+            if self.fail:
+                raise RuntimeError("injected: the warm-up failed")
+            return self.runner(inputs)
+
+    async def start(fail: bool):
+        llm.engine.runner = Recording(runner, fail)
+        loop = EngineLoop(llm.engine)
+        try:
+            loop.start(asyncio.get_running_loop(), warm_up=True)
+        finally:
+            loop.stop()
+
+    runner = llm.engine.runner
+    asyncio.run(start(fail=False))
+    assert threads and set(threads) == {"minicb-engine"}, f"warm-up steps ran on {set(threads)}"
+    with pytest.raises(RuntimeError, match="injected: the warm-up failed"):
+        asyncio.run(start(fail=True))

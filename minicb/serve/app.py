@@ -176,8 +176,8 @@ Server = Annotated[ServerState, Depends(server_state)]
 async def lifespan(app: FastAPI):
     """The engine thread runs while the app does: whatever still waits or runs at the end ends as an abort."""
     server: ServerState = app.state.server
-    server.loop.warm_up()  # before the first request: compiles kernels (blocks startup, not a user)
-    server.loop.start(asyncio.get_running_loop())
+    # The warm-up compiles kernels before the first request (it blocks startup, not a user).
+    server.loop.start(asyncio.get_running_loop(), warm_up=True)
     server.metrics.engine_state(server.engine)
     try:
         yield

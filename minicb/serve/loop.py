@@ -241,23 +241,31 @@ class EngineLoop:
 
     # ---- the event-loop side ----------------------------------------------------------
 
-    def warm_up(self) -> None:
-        """Run one tiny request through the engine before serving (on the caller's thread).
+    def start(self, loop: asyncio.AbstractEventLoop, warm_up: bool = False) -> None:
+        """Start the engine thread. With warm_up, it first runs one tiny request through the
+        engine, and this returns once it has.
 
-        The first prefill and decode compile kernels (Numba's CPU decode, Triton's
-        on a GPU) and allocate; that can take seconds, and the first user should not
-        wait for it. Call before start().
+        The first prefill and decode compile kernels (Numba's CPU decode, Triton's on a
+        GPU) and allocate; that can take seconds, and the first user should not wait for
+        it. The warm-up runs on the engine thread, like every step after it: torch's
+        OpenMP runtime (libgomp) keeps a pool of worker threads for each thread that runs
+        operators, and once the pools hold more threads than the machine has cores it
+        stops spinning between operators. With spinning on (GOMP_SPINCOUNT; minicb's
+        default OMP_WAIT_POLICY=PASSIVE never spins) a decode step ran 20-30% slower on
+        a second thread than on the first one here, until only one thread ran operators.
         """
-        if self._thread is not None:
-            raise RuntimeError("warm_up() must run before start(): only one thread may touch the engine")
+        self._loop = loop
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(warm_up, ready), name="minicb-engine", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if self.exception is not None:  # the warm-up failed: the thread has ended, and startup fails here
+            raise self.exception
+
+    def _warm_up(self) -> None:
         self.engine.add_request([0, 0], SamplingParams(max_tokens=2, ignore_eos=True))
         while self.engine.has_unfinished():
             self.engine.step()
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="minicb-engine", daemon=True)
-        self._thread.start()
 
     @property
     def serving(self) -> bool:
@@ -383,7 +391,15 @@ class EngineLoop:
 
     # ---- the engine thread ------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, warm_up: bool, ready: threading.Event) -> None:
+        try:
+            if warm_up:
+                self._warm_up()
+        except Exception as e:
+            self.exception = e  # start() raises it
+            return
+        finally:
+            ready.set()
         try:
             while True:
                 # The chapter's three functions, looked up every step: a student's edited file is picked up.

@@ -141,6 +141,32 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, shutdown_timeou
         sock.close()
 
 
+def on_a_thread_of_its_own(fn):
+    """fn() on a new thread, which ends when it returns; its result, or its exception raised here.
+
+    Loading a model runs torch operators, and torch's OpenMP runtime keeps a pool of
+    worker threads for every thread that has run one, for as long as that thread
+    lives. The main thread runs the event loop for the whole life of the server and
+    the engine thread runs the steps, so the model loads on a third thread that ends
+    and takes its pool with it: only the engine thread's pool is left, and libgomp keeps
+    spinning between operators (EngineLoop.start in minicb/serve/loop.py says why that matters).
+    """
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name="minicb-load")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     # Only now, with the arguments read: `--help` answers without loading torch.
@@ -154,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         set_num_threads(args.threads)  # one pool for the process: the engine thread uses it
     try:
         # The same builder as LLM's: the model, its tokenizer, and an engine with every engine flag.
-        built = build(args.model, device=args.device, dtype=args.dtype, **engine_config(args))
+        built = on_a_thread_of_its_own(lambda: build(args.model, device=args.device, dtype=args.dtype,
+                                                     **engine_config(args)))
     except (ValueError, RuntimeError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
