@@ -112,9 +112,17 @@ def set_num_threads(n: int) -> None:
         import numba
     except ImportError:
         numba = None
+    global _numba_threads
     if numba is not None:
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        _numba_threads = min(n, numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(_numba_threads)
     torch.set_num_threads(n)
+
+
+# Numba's thread count belongs to the thread that set it: a thread started later (the
+# server's engine thread) would run the kernel on every core. So the count chosen here
+# is kept, and the kernel's caller sets it on its own thread first (None: never chosen).
+_numba_threads: int | None = None
 
 
 def applies_to(q: torch.Tensor) -> bool:
@@ -134,6 +142,10 @@ def paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables, context_
     if q.shape[0] == 0:
         return out
     scale = q.shape[2] ** -0.5 if scale is None else scale
+    if _numba_threads is not None:
+        import numba
+        if numba.get_num_threads() != _numba_threads:  # this thread has not taken the setting yet
+            numba.set_num_threads(_numba_threads)
     _compiled_kernel()(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(), context_lens.numpy(),
                        np.float32(scale), out.numpy())
     return out

@@ -92,12 +92,20 @@ def test_set_num_threads_sets_torch_and_numba_alike(threads):
             "from minicb import LLM, SamplingParams; from minicb.model import random_model; "
             "LLM.from_model(random_model(seed=1), block_size=4, num_blocks=32, max_num_seqs=2)"
             ".generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3), use_tqdm=False); "
-            "print(torch.get_num_threads(), numba.get_num_threads())")
+            # A thread started later (the server's engine thread) must run the kernel on the same count.
+            "import threading; seen = []; t = threading.Thread(target=lambda: seen.append(("
+            "LLM.from_model(random_model(seed=1), block_size=4, num_blocks=32, max_num_seqs=2)"
+            ".generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False), numba.get_num_threads())[1])); "
+            "t.start(); t.join(); "
+            "print(torch.get_num_threads(), numba.get_num_threads(), seen[0])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    torch_threads, numba_threads = map(int, out.stdout.split()[-2:])
+    torch_threads, numba_threads, numba_on_a_new_thread = map(int, out.stdout.split()[-3:])
     import numba
     want_numba = min(threads, numba.config.NUMBA_NUM_THREADS)
     assert (torch_threads, numba_threads) == (threads, want_numba), (
         f"set_num_threads({threads}) left torch on {torch_threads} thread(s) and Numba on {numba_threads}; "
         f"want {threads} and {want_numba}")
+    assert numba_on_a_new_thread == want_numba, (
+        f"on a thread started after set_num_threads({threads}), the kernel ran with Numba on "
+        f"{numba_on_a_new_thread} thread(s); want {want_numba}")

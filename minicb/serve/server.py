@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         from minicb.cpu_attention import set_num_threads
-        set_num_threads(args.threads)  # one pool for the process: the engine thread uses it
+        set_num_threads(args.threads)  # torch's count reaches later threads; the kernel re-applies Numba's
     try:
         # The same builder as LLM's: the model, its tokenizer, and an engine with every engine flag.
         built = on_a_thread_of_its_own(lambda: build(args.model, device=args.device, dtype=args.dtype,
