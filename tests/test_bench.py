@@ -13,7 +13,7 @@ import numba
 import pytest
 import torch
 
-from minicb import LLM
+from minicb import LLM, cpu_attention
 from minicb.bench import cli, metrics, report, runners, workloads
 from minicb.data import load_chat_prompts
 from minicb.model import random_model
@@ -305,6 +305,7 @@ def test_bench_runs_every_engine_on_the_tiny_model(tmp_path, device):
     finally:
         torch.set_num_threads(threads)
         numba.set_num_threads(numba_threads)
+        cpu_attention._numba_threads = None  # --threads 1 is remembered for later threads; forget it
     assert code == 0
     report = json.loads(out.read_text())
     rows = report["workloads"]["poisson"]["engines"]

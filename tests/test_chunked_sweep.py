@@ -12,6 +12,8 @@ import numba
 import pytest
 import torch
 
+from minicb import cpu_attention
+
 from minicb.impl import ROOT
 
 SCRIPT = ROOT / "tools" / "chunked_budget_sweep.py"
@@ -33,6 +35,7 @@ def test_quick_sweep_writes_a_sane_table_and_a_plot(sweep, tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
         numba.set_num_threads(numba_threads)
+        cpu_attention._numba_threads = None  # --threads 1 is remembered for later threads; forget it
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = "\n".join(line for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("|"))
     assert table in capsys.readouterr().out, "the table printed is the table saved"
