@@ -1,7 +1,7 @@
 """Grade a chapter's exercises: `python -m minicb check N|all [--file PATH] [--task K] [--full] [-k EXPR] [-m MARKS]
 [-v] [--format table|json|gradescope]`.
 
-It runs chapter N's tests (tests/test_chNN_*.py) against your
+It runs chapter N's tests (tests/chapters/test_chNN_*.py) against your
 chapters/NN-slug/exercise.py -- or against PATH with --file, which is how a
 teacher grades a submission -- and prints one row per task, with the time its
 tests took:
@@ -13,7 +13,7 @@ tests took:
     all   0/1     0s    FAIL    NotImplementedError: Chapter 3, task 1: ...
 
 By default it runs every test but the slow ones (`-m "not slow"`): those are
-enough to catch every bug planted in tests/test_mutants.py. `--full` adds the
+enough to catch every bug planted in tests/tools/test_mutants.py. `--full` adds the
 slow tests, which run the real model through your code.
 
 The exit code is 0 only when every test ran and passed (tests that skip
@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -65,7 +66,7 @@ TASKS_ENV = "MINICB_CHECK_TASKS"  # comma-separated tasks to run ("2", "1,all");
 
 @dataclass
 class TestResult:
-    nodeid: str  # pytest's id, e.g. "tests/test_ch03_block_allocator.py::test_fork_errors"
+    nodeid: str  # pytest's id, e.g. "tests/chapters/test_ch03_block_allocator.py::test_fork_errors"
     task: int | str | None  # from @pytest.mark.task(k): k, or "all" for every task together; None: no marker
     outcome: str  # "passed" | "failed" | "skipped"
     message: str = ""  # first line of the failure ("NotImplementedError: ..."), or the skip reason
@@ -191,6 +192,16 @@ def pytest_configure(config):
 # ---- the grader half: runs in your process --------------------------------------
 
 
+# The graded tests: tests/chapters/test_chNN_*.py, chapter NN's (the other folders of
+# tests/ hold what no chapter grades).
+CHAPTER_TESTS = impl.ROOT / "tests" / "chapters"
+
+
+def chapter_test_files(chapter: int) -> list[pathlib.Path]:
+    """Chapter `chapter`'s test files, in order."""
+    return sorted(CHAPTER_TESTS.glob(f"test_ch{chapter:02d}_*.py"))
+
+
 def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
               pytest_args: list[str] | tuple[str, ...] = (), verbose: bool = False,
               tasks: list[int | str] | None = None, timeout: float | None = None) -> Report:
@@ -204,9 +215,10 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
     the report then has an error saying so. None: no limit.
     """
     module = impl.module_for_chapter(chapter)  # raises ValueError naming the allowed chapters
-    test_files = sorted((impl.ROOT / "tests").glob(f"test_ch{chapter:02d}_*.py"))
+    test_files = chapter_test_files(chapter)
     if not test_files:
-        raise FileNotFoundError(f"chapter {chapter} has no tests: nothing matches tests/test_ch{chapter:02d}_*.py")
+        raise FileNotFoundError(f"chapter {chapter} has no tests: nothing matches "
+                                f"{CHAPTER_TESTS.relative_to(impl.ROOT)}/test_ch{chapter:02d}_*.py")
     # The child must import minicb (for `-p minicb.check` and impl.load) from
     # this checkout, whether or not the package is pip-installed.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(impl.ROOT), os.environ.get("PYTHONPATH")])))
@@ -370,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def selection_args(args: argparse.Namespace) -> list[str]:
     """The pytest selection for parsed `check` arguments: -k as given; -m as given, or "not slow"
-    unless --full (the quick tests catch every planted bug in tests/test_mutants.py; the slow ones
+    unless --full (the quick tests catch every planted bug in tests/tools/test_mutants.py; the slow ones
     run the real model through the student's code)."""
     markers = args.markers or (None if args.full else "not slow")
     return (["-k", args.keyword] if args.keyword else []) + (["-m", markers] if markers else [])

@@ -17,7 +17,7 @@ and each chapter passes its own: dense causal attention with no cache
 chapter to chapter; only the object describing "where do K and V live" changes.
 
 Run `python -m minicb generate "Hi"` to see it talk; chapters/00-the-model/README.md
-walks through it, and tests/test_ch00_model.py checks it against HF transformers.
+walks through it, and tests/chapters/test_ch00_model.py checks it against HF transformers.
 """
 from __future__ import annotations
 

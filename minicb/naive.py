@@ -8,7 +8,7 @@ In this file you will learn:
   A *prefill* runs the prompt once and fills the cache; each *decode* step then
   runs one token and attends over the cache.
 
-Both loops give the same greedy tokens (tests/test_ch01_naive.py checks this on
+Both loops give the same greedy tokens (tests/chapters/test_ch01_naive.py checks this on
 the tiny model and on SmolLM2). The benchmark at the bottom shows the step time
 against sequence length: growing for the no-cache loop, flat for the cache.
 

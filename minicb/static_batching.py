@@ -12,7 +12,7 @@ In this file you will learn:
   `run_static` counts both, and chapter 06 removes the second.
 
 The per-prompt greedy tokens equal chapter 01's, token for token, in fp32
-(tests/test_ch02_static_batching.py).
+(tests/chapters/test_ch02_static_batching.py).
 
 Chapter text: chapters/02-static-batching/README.md.
 """

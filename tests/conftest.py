@@ -2,8 +2,26 @@
 
 `--impl student` runs the chapter tests against chapters/NN-*/exercise.py
 instead of the reference in minicb/ (the same as MINICB_IMPL=student).
+
+The tests live in folders by area: chapters/ (the graded tests/chapters/test_chNN_*.py
+that `python -m minicb check N` runs), engine/, serve/ and tools/. The folders have
+no __init__.py, so pytest imports each file under its bare name: basenames must stay
+unique across the folders.
 """
 import os
+import pathlib
+import sys
+
+# A test imports helpers from its own folder and from others (a chapter 09 test uses
+# serve/serve_support.py, chapter 10's padding test engine/test_cuda_graphs.py). pytest
+# puts only the folder of the file it is importing on sys.path, so a file run on its
+# own, or collected before the folder it needs, would not find them: every area goes
+# on the path here, before any test module is imported.
+AREAS = ("chapters", "engine", "serve", "tools")
+for _area in AREAS:
+    _folder = str(pathlib.Path(__file__).resolve().parent / _area)
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 
 def pytest_addoption(parser):

@@ -23,24 +23,9 @@ say() { echo "[dashboard-check] $*"; }
 die() { echo "[dashboard-check] FAIL: $*" >&2; exit 1; }
 
 [ -x "$PY" ] || die "no Python at $PY; run 'make setup' first"
-command -v node >/dev/null && command -v npm >/dev/null || die "node and npm are needed (e.g. apt-get install -y nodejs npm)"
 
 # ---- Chromium and playwright-core, as for the notebook check ---------------------------------
-if [ ! -x /usr/bin/chromium ]; then
-    say "installing Debian's chromium with apt-get"
-    SUDO=""
-    if [ "$(id -u)" -ne 0 ]; then
-        command -v sudo >/dev/null || die "/usr/bin/chromium is missing and installing it needs root or sudo"
-        SUDO="sudo"
-    fi
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
-fi
-[ -x /usr/bin/chromium ] || die "/usr/bin/chromium is still missing after apt-get install chromium"
-if [ ! -f tools/node_modules/playwright-core/package.json ]; then
-    say "installing playwright-core into tools/node_modules (npm)"
-    (cd tools && npm install --no-package-lock --no-audit --no-fund --loglevel=error)
-fi
+. tools/browser_setup.sh
 
 # ---- the server --------------------------------------------------------------------------------
 stop_server() {

@@ -11,8 +11,8 @@
 #
 #   0. preflight   the bundle, the Python packages, the GPU
 #   1. tests       the engine's greedy tokens vs chapter 01's, Triton vs PyTorch, graphs vs
-#                  eager (tests/test_gpu_parity.py, tests/test_cuda_graphs.py, the padding rows
-#                  of tests/test_ch10_padding.py), and the
+#                  eager (tests/engine/test_gpu_parity.py, tests/engine/test_cuda_graphs.py, the padding rows
+#                  of tests/chapters/test_ch10_padding.py), and the
 #                  kernels' own tests, with MINICB_DEVICE=cuda and compiled Triton
 #   2. kernel      the Triton decode kernels at batch 64 x ctx 4096, bf16: bandwidth as a share
 #                  of a measured device-to-device copy (python -m minicb.triton_attention)
@@ -29,7 +29,7 @@
 # without stopping the others; the script exits non-zero if any part failed.
 #
 # GPU_CHECK_DRY=1 takes every step on a CPU instead, with the Triton interpreter and tiny
-# shapes (a minute or two): tests/test_gpu_check.py runs it inside `make test`, so this
+# shapes (a minute or two): tests/tools/test_gpu_check.py runs it inside `make test`, so this
 # script cannot rot unseen. Its figures are not GPU figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,12 +93,12 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, remember failure
 
 if [ "$DRY" = 1 ]; then
     # The CPU runs the GPU parity tests on the tiny model; `make test` runs the rest itself.
-    tests=(tests/test_gpu_parity.py)
+    tests=(tests/engine/test_gpu_parity.py)
     model_args=(--tiny)
     bench_size=(--num-prompts 4 --max-tokens 8 --slots 4 --hf-batch 2)
 else
-    tests=(tests/test_gpu_parity.py tests/test_cuda_graphs.py tests/test_ch10_padding.py
-           tests/test_ch05_triton_attention.py tests/test_tile_attention.py)
+    tests=(tests/engine/test_gpu_parity.py tests/engine/test_cuda_graphs.py tests/chapters/test_ch10_padding.py
+           tests/chapters/test_ch05_triton_attention.py tests/engine/test_tile_attention.py)
     model_args=()
     bench_size=(--num-prompts 64 --max-tokens 256 --slots 32 --hf-batch 16)
 fi

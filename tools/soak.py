@@ -62,6 +62,8 @@ from collections import Counter
 
 import httpx
 
+from minicb.bench.sse import DONE, sse_events
+
 GOOD_KINDS = ("completion", "completion_stream", "chat", "chat_stream")
 BAD_KINDS = ("bad_empty_prompt", "bad_max_tokens", "bad_model", "bad_json")
 KINDS = GOOD_KINDS + ("abort",) + BAD_KINDS
@@ -175,7 +177,7 @@ def check_answer(kind: str, body: dict, answer: dict) -> str | None:
 
 def check_stream(body: dict, events: list) -> str | None:
     """What is wrong with a good request's server-sent events (None: nothing)."""
-    if not events or events[-1] != "[DONE]":
+    if not events or events[-1] != DONE:
         return f"the stream did not end with [DONE] (last event: {events[-1] if events else None!r})"
     finished = Counter()
     for event in events[:-1]:
@@ -191,18 +193,6 @@ def check_stream(body: dict, events: list) -> str | None:
     if body.get("stream_options") and not any(e.get("usage") for e in events[:-1]):
         return "include_usage was asked for, and no chunk carried usage"
     return None
-
-
-def sse_events(response: httpx.Response, limit: int | None = None) -> list:
-    """The stream's events ("[DONE]" stays a string); with `limit`, stop reading after that many."""
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-            if data == "[DONE]" or (limit is not None and len(events) >= limit):
-                break
-    return events
 
 
 def bad_request(kind: str, model: str, rng: random.Random) -> tuple[str, dict]:
@@ -246,14 +236,14 @@ def send(client: httpx.Client, kind: str, model: str, rng: random.Random) -> str
             with client.stream("POST", path, json=body) as response:
                 if response.status_code != 200:
                     return status_error(kind, response.status_code, response.read().decode(errors="replace"))
-                events = sse_events(response, limit=rng.randint(1, 3))
+                events = sse_events(response.iter_lines(), limit=rng.randint(1, 3))
             return "ok" if events else ("wrong_answer", f"{kind}: the stream sent no event")
         path, body = good_body(kind, model, rng)
         if body.get("stream"):
             with client.stream("POST", path, json=body) as response:
                 if response.status_code != 200:
                     return status_error(kind, response.status_code, response.read().decode(errors="replace"))
-                events = sse_events(response)
+                events = sse_events(response.iter_lines())
             if any(isinstance(e, dict) and "error" in e for e in events):  # an engine failure mid-stream
                 return "5xx", f"{kind}: error event in the stream: {[e for e in events if 'error' in e][0]}"
             problem = check_stream(body, events)

@@ -1,9 +1,9 @@
 """Chapter 04 exercise: paged attention in PyTorch.
 
 Write the four functions below. The text is chapters/04-paged-attention/README.md;
-the tests are tests/test_ch04_paged_attention.py. Run them against this file with
+the tests are tests/chapters/test_ch04_paged_attention.py. Run them against this file with
 
-    MINICB_IMPL=student MINICB_IMPL_ONLY=paged_attention .venv/bin/pytest tests/test_ch04_*.py
+    MINICB_IMPL=student MINICB_IMPL_ONLY=paged_attention .venv/bin/pytest tests/chapters/test_ch04_*.py
     python -m minicb check 4            # the same, task by task
 
 Shapes (the calling convention every attention backend shares):

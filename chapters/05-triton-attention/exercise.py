@@ -2,9 +2,9 @@
 
 Write the kernels and the wrappers that launch them. The text is
 chapters/05-triton-attention/README.md; the tests are
-tests/test_ch05_triton_attention.py. Run them against this file with
+tests/chapters/test_ch05_triton_attention.py. Run them against this file with
 
-    MINICB_IMPL=student MINICB_IMPL_ONLY=triton_attention .venv/bin/pytest tests/test_ch05_*.py
+    MINICB_IMPL=student MINICB_IMPL_ONLY=triton_attention .venv/bin/pytest tests/chapters/test_ch05_*.py
     python -m minicb check 5            # the same, task by task
 
 Without a GPU the kernels run under the Triton interpreter, so print() inside

@@ -2,8 +2,8 @@
 
 Fill in the four methods below, task by task. The text is
 chapters/06-continuous-batching/README.md; the tests are
-tests/test_ch06_scheduler.py (the scheduler alone) and
-tests/test_ch06_engine.py (the whole engine on a model, with your scheduler
+tests/chapters/test_ch06_scheduler.py (the scheduler alone) and
+tests/chapters/test_ch06_engine.py (the whole engine on a model, with your scheduler
 inside). Run them against this file with
 
     python -m minicb check 6

@@ -2,7 +2,7 @@
 
 Fill in the six methods and one function below, task by task. The text is
 chapters/07-prefix-caching/README.md; the tests are
-tests/test_ch07_prefix_cache.py (the pool alone) and tests/test_ch07_engine.py
+tests/chapters/test_ch07_prefix_cache.py (the pool alone) and tests/chapters/test_ch07_engine.py
 (the engine with caching on, n > 1 included). Run them against this file with
 
     python -m minicb check 7

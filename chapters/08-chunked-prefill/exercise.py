@@ -1,7 +1,7 @@
 """Chapter 08 exercise: chunked prefill -- one rule changed, and the offset causal mask.
 
 Fill in the stubs below, task by task. The text is
-chapters/08-chunked-prefill/README.md; the tests are tests/test_ch08_*.py. Run
+chapters/08-chunked-prefill/README.md; the tests are tests/chapters/test_ch08_*.py. Run
 them against this file with
 
     python -m minicb check 8

@@ -1,7 +1,7 @@
 """Chapter 09 exercise: the engine thread of an HTTP server -- commands in, each step's events out.
 
 Fill in the stubs below, task by task. The text is chapters/09-serving/README.md;
-the tests are tests/test_ch09_*.py. Run them against this file with
+the tests are tests/chapters/test_ch09_*.py. Run them against this file with
 
     python -m minicb check 9
     MINICB_IMPL=student MINICB_IMPL_ONLY=serve.loop python -m minicb serve     # the real server, on your code

@@ -1,7 +1,7 @@
 """Chapter 10 exercise: which CUDA graphs to capture, which one a step replays, and its padding rows.
 
 Fill in the stubs below, task by task. The text is
-chapters/10-the-gpu-step/README.md; the tests are tests/test_ch10_*.py. Run
+chapters/10-the-gpu-step/README.md; the tests are tests/chapters/test_ch10_*.py. Run
 them against this file with
 
     python -m minicb check 10

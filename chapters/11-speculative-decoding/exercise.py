@@ -1,7 +1,7 @@
 """Chapter 11 exercise: speculative decoding -- propose drafts, verify them, roll the rejected back.
 
 Fill in the stubs below, task by task. The text is
-chapters/11-speculative-decoding/README.md; the tests are tests/test_ch11_*.py.
+chapters/11-speculative-decoding/README.md; the tests are tests/chapters/test_ch11_*.py.
 Run them against this file with
 
     python -m minicb check 11

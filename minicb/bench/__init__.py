@@ -18,7 +18,7 @@ One concern per file, in the order a run uses them:
     cli.py         the command line that runs them in that order
 
 It is a benchmark, not a test: timings on a shared CPU are noisy (try --threads 1
-when other jobs run). tests/test_bench.py checks that what it reports is computed right.
+when other jobs run). tests/tools/test_bench.py checks that what it reports is computed right.
 
 The metrics need neither torch nor a model, so they are importable from here too
 (`from minicb.bench import percentile`).

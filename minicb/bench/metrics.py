@@ -10,7 +10,7 @@ means and how it is computed:
   that hold no token) say *why* one engine beats another.
 
 Everything here is a plain function on plain numbers: no model, no clock.
-tests/test_bench.py checks each one against values worked out by hand, and
+tests/tools/test_bench.py checks each one against values worked out by hand, and
 chapter 02's counters (minicb/static_batching.py) against `static_batch_tokens`.
 The engines that produce the numbers are in runners.py.
 """

@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from minicb.bench.metrics import percentile
+from minicb.bench.sse import DONE, parse_event
 
 
 @dataclass
@@ -124,12 +125,11 @@ async def send(client, path: str, body: dict, record: RequestRecord, start: floa
                 record.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
                 return record
             async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+                chunk = parse_event(line)
+                if chunk is None:
                     continue  # blank separators, SSE comments
-                data = line[5:].strip()
-                if data == "[DONE]":
+                if chunk == DONE:
                     break
-                chunk = json.loads(data)
                 if "error" in chunk:
                     record.error = f"error event: {chunk['error']}"
                     return record
