@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minicb.cli_args import add_engine_args, add_model_args, engine_config  # bench and serve add them too
+from minicb.cli_args import add_engine_args, add_model_args, check_engine_args, engine_config  # bench and serve add them too
 
 
 def cmd_generate(args) -> int:
@@ -50,8 +50,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-# The demo's engine: 8 slots (see below), and every step's trace kept for its timelines.
-DEMO_ENGINE_DEFAULTS = {"max_num_seqs": 8, "keep_traces": None}
+# The demo's engine: 8 slots (see below). Its timelines draw LLM.traces, every step of a call.
+DEMO_ENGINE_DEFAULTS = {"max_num_seqs": 8}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 0
+    check_engine_args(ap, args)  # generate and demo: EngineConfig's rules, before the model loads
     try:
         if args.command == "generate":
             return cmd_generate(args)

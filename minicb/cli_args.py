@@ -6,7 +6,7 @@ engine's settings (`add_engine_args`), made from EngineConfig's fields
 (minicb/config.py): a setting added there is a flag of every command, with its
 help, and `engine_config(args)` hands them all to the engine.
 
-    add_engine_args(parser, defaults={"keep_traces": 1}, aliases={"max_num_seqs": ["--slots"]})
+    add_engine_args(parser, defaults={"max_num_seqs": 8}, aliases={"max_num_seqs": ["--slots"]})
     args = parser.parse_args()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, **engine_config(args))
 
@@ -94,6 +94,17 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None,
         # Set after the fact: Python 3.10's BooleanOptionalAction appends a default of its own to `help`.
         # argparse %-formats help texts, so a literal % is doubled.
         action.help = f"{f.metadata['help']} (default: {show(default)})".replace("%", "%%")
+
+
+def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with the parser's usage error if the engine flags break one of EngineConfig's rules.
+
+    The rules are EngineConfig.validate's (minicb/config.py), so a command checks
+    its flags before loading a model without restating any of them."""
+    try:
+        EngineConfig(**engine_config(args))
+    except ValueError as e:
+        parser.error(f"{e} (the flag is --{str(e).split('=', 1)[0].replace('_', '-')})")
 
 
 def engine_config(args: argparse.Namespace) -> dict:

@@ -12,10 +12,17 @@ place its settings are written down. Everything else reads them from here:
 So a field added here is a setting of the API and of every command, with no
 other edit. Only dataclasses is imported: `--help` reads this module, and must
 not wait for torch to load.
+
+It also checks itself, in one place: `validate()` holds every bound of every
+field and the rules between fields (a speculating request computes 1 + k
+tokens, so k must fit the token budget). It runs when a config is made and
+again when an engine is built from it; `LLM`, `serve`, `bench` and `demo` ask
+nothing else (`minicb.cli_args.check_engine_args` turns its error into a
+flag's error before any model loads).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -33,6 +40,14 @@ class EngineConfig:
         "help": "new tokens a step computes at most; caps how much prefill joins a step"})
     attention: str = field(default="torch", metadata={
         "help": "attention kernels: torch (chapter 04) or triton (chapter 05)", "choices": ["torch", "triton"]})
+    cpu_decode: str = field(default="compiled", metadata={
+        "help": "how attention=torch decodes on a CPU in fp32: compiled (minicb/cpu_attention.py, Numba, reading "
+                "the blocks in place; chapter 04's gather when Numba is missing) or gather (chapter 04's code as a "
+                "GPU runs it)", "choices": ["compiled", "gather"]})
+    tile_prefill: bool | None = field(default=None, metadata={
+        "help": "attention=triton: prefill with the query-tile kernel (minicb/tile_attention.py) instead of chapter "
+                "05's; none (neither flag): when the kernels are compiled (under the Triton interpreter chapter "
+                "04's PyTorch prefill is far quicker, and off leaves it so)"})
     watermark: float = field(default=0.01, metadata={
         "help": "fraction of the KV blocks kept free at admission, so running requests can grow "
                 "without being preempted at once"})
@@ -41,8 +56,9 @@ class EngineConfig:
     cpu_kv_gib: float = field(default=1.0, metadata={
         "help": "KV budget on a CPU when num_blocks is none, in GiB"})
     keep_traces: int | None = field(default=0, metadata={
-        "help": "StepTraces to keep in Engine.traces: 0 records none (a long-running server needs none), "
-                "N keeps the last N steps, none keeps every step"})
+        "help": "StepTraces to keep in Engine.traces: 0 keeps none (a step then builds one only for a caller "
+                "that asks, Engine.step(trace=True): LLM's pictures, the server's open dashboards), N keeps the "
+                "last N steps, none keeps every step"})
     enable_prefix_caching: bool = field(default=False, metadata={
         "help": "keep computed full blocks under a key of their prefix and share them with later requests "
                 "that start the same way (minicb/prefix_cache.py); greedy outputs are the same either way, "
@@ -63,3 +79,52 @@ class EngineConfig:
                 "outputs are the same either way; sampled ones keep their distribution"})
     num_speculative_tokens: int = field(default=4, metadata={
         "help": "speculative decoding: draft tokens proposed and verified per step at most"})
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting that is out of bounds, its value and what is allowed.
+
+        Every rule about the settings is here, so nothing downstream restates one:
+        the scheduler, the speculator and the commands trust a config that passed.
+        Fields may be changed after construction, so the engine calls this again.
+        """
+        def whole(name: str, value, low: int = 1, none_ok: bool = False) -> None:
+            if value is None and none_ok:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                also = " or None" if none_ok else ""
+                raise ValueError(f"{name}={value!r}; it must be an integer >= {low}{also}")
+
+        whole("block_size", self.block_size)
+        whole("num_blocks", self.num_blocks, none_ok=True)
+        whole("max_num_seqs", self.max_num_seqs)
+        whole("max_num_batched_tokens", self.max_num_batched_tokens)
+        whole("keep_traces", self.keep_traces, low=0, none_ok=True)
+        whole("speculative_ngram", self.speculative_ngram, none_ok=True)
+        whole("num_speculative_tokens", self.num_speculative_tokens)
+        for name in ("attention", "cpu_decode"):
+            allowed = next(f for f in fields(self) if f.name == name).metadata["choices"]
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}; it must be True or False")
+        for name in ("cuda_graphs", "tile_prefill"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name}={getattr(self, name)!r}; use None (the engine decides), True or False")
+        if self.tile_prefill and self.attention != "triton":
+            raise ValueError(f"tile_prefill=True needs attention='triton' (the query-tile kernel is a Triton "
+                             f"kernel); attention={self.attention!r}")
+        if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
+            raise ValueError(f"watermark={self.watermark!r}; it must be a fraction in [0, 1)")
+        if not (isinstance(self.gpu_memory_fraction, (int, float)) and 0 < self.gpu_memory_fraction <= 1):
+            raise ValueError(f"gpu_memory_fraction={self.gpu_memory_fraction!r}; it must be in (0, 1]")
+        if not (isinstance(self.cpu_kv_gib, (int, float)) and self.cpu_kv_gib > 0):
+            raise ValueError(f"cpu_kv_gib={self.cpu_kv_gib!r}; it must be > 0")
+        # A request verifying k drafts computes its newest token and the k drafts in one step.
+        if self.speculative_ngram is not None and 1 + self.num_speculative_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: a request verifying them "
+                             f"computes {1 + self.num_speculative_tokens} tokens in a step, more than "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}; lower it or raise the budget")

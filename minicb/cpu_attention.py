@@ -16,8 +16,9 @@ padded cache on a CPU, and how a compiled loop removes that cost:
   head's running max, sum and weighted sum of values, and never copies a block.
 
 It is what the engine's "torch" backend runs for decodes on a CPU, in fp32, when
-Numba is installed (it is a dependency of minicb). `MINICB_CPU_DECODE=gather`
-switches back to chapter 04's gather, to compare the two. On a GPU the engine
+Numba is installed (it is a dependency of minicb): the backend CpuDecodeAttention
+(minicb/attention_backends.py). `EngineConfig(cpu_decode="gather")`, or the flag
+`--cpu-decode gather`, switches back to chapter 04's gather, to compare the two. On a GPU the engine
 never comes here: there chapter 05's Triton kernels do the same walk.
 
     python -m minicb.cpu_attention     # check against chapter 04, then time both and a padded cache
@@ -32,7 +33,6 @@ Shapes (chapter 04's calling convention):
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
@@ -125,11 +125,9 @@ def set_num_threads(n: int) -> None:
 _numba_threads: int | None = None
 
 
-def applies_to(q: torch.Tensor) -> bool:
-    """Whether the engine decodes q with this kernel: fp32 on the CPU, Numba present, not switched off."""
-    if os.environ.get("MINICB_CPU_DECODE", "compiled") == "gather":
-        return False
-    return q.device.type == "cpu" and q.dtype == torch.float32 and _compiled_kernel() is not None
+def applies_to(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this kernel can decode a pool on `device` in `dtype`: fp32 on the CPU, with Numba installed."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and _compiled_kernel() is not None
 
 
 def paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, scale=None):

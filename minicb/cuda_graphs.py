@@ -25,7 +25,7 @@ records, and so what it forbids:
   sequences replays the 16 graph with 3 padding rows;
 - nothing that reads back to the host: no `.item()`, no `if tensor:`, no shape
   that depends on a tensor's values. minicb's forward was written that way
-  (tests/test_host_syncs.py); the one exception is chapter 04's PyTorch
+  (tests/engine/test_host_syncs.py); the one exception is chapter 04's PyTorch
   decode, whose gather is as wide as the longest context, a value that changes
   every step. So graphs need chapter 05's Triton decode, which walks each
   block table only as far as its own length, inside the kernel.
@@ -40,7 +40,7 @@ padding row cannot change a real row's output.
 Only decode-only steps replay a graph. A step with prompts in it has a
 different number of tokens every time, and runs eagerly, as before.
 
-    runner = DecodeGraphs(model, pool, kernels, max_num_seqs=32, scratch_block=pool.num_blocks - 1,
+    runner = DecodeGraphs(model, pool, attention, max_num_seqs=32, scratch_block=pool.num_blocks - 1,
                           capture=True)
     logits = runner(prepare(out, allocator))  # [num_seqs, vocab]: a replay when decode-only, else eager
 
@@ -51,15 +51,16 @@ inherits. The engine holds one runner and never asks which kind.
 
 On a CPU there are no graphs: with `capture=False` the same runner fills the
 same static buffers, pads to the same buckets and runs the forward eagerly. The
-tests check the padding that way, on the CPU (tests/test_cuda_graphs.py and
-tests/test_ch10_*.py).
+tests check the padding that way, on the CPU (tests/engine/test_cuda_graphs.py and
+tests/chapters/test_ch10_*.py).
 
 The chapter's exercise is the three functions the runner calls: `batch_buckets`
 and `smallest_bucket` (task 1, which graphs to capture and which one a step
 replays) and `pad_decode_inputs` (task 2, a step's rows padded to its bucket).
 The runner reaches them through three one-line methods (`buckets_up_to`,
-`bucket_for`, `pad`), so the engine, which loads this module through
-`impl.load("cuda_graphs")`, runs a student's functions inside the same runner.
+`bucket_for`, `pad`), so the engine, whose parts come from this module or a
+student's file (`EngineParts.runner`, minicb/parts.py), runs a student's
+functions inside the same runner.
 
 `python tools/cuda_graph_bench.py` times decode steps with and without graphs
 (batch 32, SmolLM2's shape, bf16, on CUDA; tiny shapes on a CPU, eagerly).
@@ -139,28 +140,27 @@ def pad_decode_inputs(token_ids: list[int], positions: list[int], slots: list[in
     return inputs, tables
 
 
-def runner_mode(setting: bool | None, device: torch.device, kernels) -> str | None:
+def runner_mode(setting: bool | None, device: torch.device, attention) -> str | None:
     """How the engine runs decode-only steps: "graphs", "eager" (the runner without graphs) or None (no runner).
 
-    setting is EngineConfig.cuda_graphs. None (auto) captures graphs on CUDA when
-    the decode kernel can be captured: chapter 05's reference Triton kernel.
-    True insists (and raises where graphs cannot work); on a CPU, where no
-    graphs exist, it runs the runner eagerly, so the padding can be tested.
+    setting is EngineConfig.cuda_graphs (checked there); attention the engine's
+    backend (minicb/attention_backends.py), whose `capturable` says whether its
+    decode can run inside a graph: chapter 05's reference Triton kernels. None
+    (auto) captures graphs on CUDA when it can. True insists (and raises where
+    graphs cannot work); on a CPU, where no graphs exist, it runs the runner
+    eagerly, so the padding can be tested.
     """
-    capturable = getattr(kernels, "__name__", "") == "minicb.triton_attention"
     if setting is False:
         return None
-    if setting not in (None, True):
-        raise ValueError(f"cuda_graphs={setting!r}; use None (auto: on for CUDA with attention='triton'), "
-                         f"True or False")
     if torch.device(device).type != "cuda":
         return "eager" if setting else None
-    if capturable:
+    if attention.capturable:
         return "graphs"
     if setting:
         raise ValueError("cuda_graphs=True needs attention='triton' (chapter 05's reference kernels): chapter "
                          "04's PyTorch decode gathers as many blocks as the longest context, a width that changes "
-                         "every step, and a graph replays fixed shapes only")
+                         "every step, and a graph replays fixed shapes only; a student's kernels check their "
+                         "arguments on the host")
     return None
 
 
@@ -171,12 +171,12 @@ class DecodeGraphs(ModelRunner):
     where padding rows write their K/V.
     """
 
-    def __init__(self, model: Model, pool: KVPool, kernels, max_num_seqs: int, scratch_block: int,
+    def __init__(self, model: Model, pool: KVPool, attention, max_num_seqs: int, scratch_block: int,
                  capture: bool):
         if not 0 <= scratch_block < pool.num_blocks:
             raise ValueError(f"scratch_block={scratch_block} is not a block of the pool (num_blocks "
                              f"{pool.num_blocks}); make the pool one block larger than the allocator")
-        super().__init__(model, pool, kernels)
+        super().__init__(model, pool, attention)
         self.buckets = self.buckets_up_to(max_num_seqs)
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * pool.block_size  # every padding row writes here
@@ -238,7 +238,7 @@ class DecodeGraphs(ModelRunner):
         This is what a graph captures. PagedAttention checks the metadata against
         the pool and builds the decode plan here, outside the forward.
         """
-        attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
+        attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.attention)
         return self.model(self.input_ids[:, :bucket], self.positions[:, :bucket], attention)
 
     # ---- capture, once --------------------------------------------------------------------
@@ -264,7 +264,7 @@ class DecodeGraphs(ModelRunner):
             torch.cuda.current_stream().wait_stream(side)
             # PagedAttention is built outside the capture (it checks on the host); its
             # decode plan for the Triton kernels is the static buffers themselves.
-            attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
+            attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.attention)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
                 self.outputs[bucket] = self.model(self.input_ids[:, :bucket], self.positions[:, :bucket], attention)

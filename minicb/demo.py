@@ -55,7 +55,6 @@ def summary_row(name: str, traces, num_output_tokens: int) -> dict:
 def main(args) -> int:
     import torch
 
-    from minicb import impl
     from minicb.cli_args import engine_config
     from minicb.data import load_chat_prompts
     from minicb.llm import LLM
@@ -82,16 +81,14 @@ def main(args) -> int:
     print("static batching (chapter 02) ...", flush=True)
     static = run_static(model, prompts, params, batch_size=args.max_num_seqs)
     print("continuous batching (chapter 06) ...", flush=True)
-    # Say exactly whose code runs: the engine loads these modules through impl.load.
-    engine_modules = ("block_allocator", "scheduler", "paged_attention")
-    yours = [m for m in impl.student_modules() if m in engine_modules]
-    if yours:
-        print(f"  the engine runs your {', '.join(yours)}"
-              f"{' and the reference ' + ', '.join(m for m in engine_modules if m not in yours) if len(yours) < 3 else ''}")
     # Continuous: the same number of slots, but a finished request leaves at once
     # and the next waiting one takes its slot in the following step.
     # The engine takes every engine flag (--max-num-seqs / --slots, --attention, ...).
     llm = LLM.from_model(model, tokenizer, **engine_config(args))
+    # Say exactly whose code runs: the engine's parts know which file each came from.
+    yours, ours = llm.engine.parts.students(), llm.engine.parts.references()
+    if yours:
+        print(f"  the engine runs your {', '.join(yours)}" + (f" and the reference {', '.join(ours)}" if ours else ""))
     try:
         outputs = llm.generate(prompts, params)
     except NotImplementedError as e:

@@ -13,10 +13,13 @@ serving loop. `Engine.step()` does, in order:
                     generator (n tokens for a request whose n completions fork now; the
                     accepted drafts and one more for a request verifying drafts, chapter 11)
     5. postprocess  the scheduler appends tokens, forks completions, evicts finished
-                    sequences and frees their blocks
+                    sequences and frees their blocks, and returns what it did (a StepResult)
 
-and returns a `StepOutput`: every new token, named by its request and
-completion, and the sequences that finished. Because a finished sequence leaves at the end of the
+and returns a `StepOutput`, built from that result alone: every new token, named
+by its request and completion, the sequences that finished, and what metrics
+need (tokens computed, drafts, cached prompt tokens, the queues and the pool).
+The engine is made of parts it is given: `EngineParts` (minicb/parts.py) builds
+them from the `EngineConfig`, out of the reference's code or a student's. Because a finished sequence leaves at the end of the
 step that finished it, the next step's `schedule()` can put a waiting request
 straight into its slot: no row of the batch ever idles while work is waiting.
 That is the whole trick.
@@ -26,16 +29,18 @@ That is the whole trick.
     while engine.has_unfinished():
         out = engine.step()
         for seq in out.finished:            # each finished completion is handed out once,
-            print(seq.owner_id, seq.completion, seq.output_token_ids, seq.finish_reason)  # then forgotten
+            print(seq.request_id, seq.completion, seq.output_token_ids, seq.finish_reason)  # then forgotten
 
-The engine keeps a request (one `Sequence`, minicb/scheduler.py) only while it
-waits or runs, so a server can run it for weeks. With `keep_traces` it also
-records a `StepTrace` per step for the pictures (minicb/trace.py).
+The engine keeps a request (its `Sequence`s, minicb/scheduler.py) only while it
+waits or runs, so a server can run it for weeks. A step builds a `StepTrace`
+for the pictures (minicb/trace.py) only when asked, `step(trace=True)`, or when
+`keep_traces` keeps the last N.
 `minicb.llm.LLM` wraps this with a tokenizer, progress bars and output objects.
 Chapter text: chapters/06-continuous-batching/README.md.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -43,14 +48,12 @@ from typing import NamedTuple
 
 import torch
 
-from minicb import impl
 from minicb.config import EngineConfig  # the settings (minicb/config.py); importable from here too
 from minicb.model import Model
-from minicb.model_runner import ModelRunner, prepare
-from minicb.paged_attention import KVPool
-from minicb.paged_model import attention_kernels
+from minicb.model_runner import prepare
+from minicb.parts import EngineParts
 from minicb.sampling import SamplingParams, make_generator, sample
-from minicb.scheduler import RequestRejected, Sequence, SchedulerOutput
+from minicb.scheduler import RequestRejected, Sequence, SchedulerOutput, StepResult
 from minicb.trace import SlotState, StepTrace
 
 
@@ -62,88 +65,96 @@ class NewToken(NamedTuple):
     token: int
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """The sizes an engine is built with, fixed for its life: what a server needs to answer requests."""
+
+    max_model_len: int  # the model's context: prompt + outputs
+    num_blocks: int  # KV blocks the allocator hands out
+    block_size: int
+    max_num_seqs: int
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """As many tokens as the context and the pool leave after the prompt; at least 1 (a prompt
+        that leaves no room is the engine's check to refuse, naming the prompt)."""
+        return max(1, min(self.max_model_len, self.num_blocks * self.block_size) - prompt_len)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The queues and the pool at one moment: after a step, or after aborts (Engine.stats())."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int  # with prefix caching, cached blocks nobody holds count as free (they can be reused)
+    num_cached_free_blocks: int  # free blocks that still hold a cached prefix (0 without caching)
+
+
 @dataclass
 class StepOutput:
-    """What one step did to requests. The engine keeps none of it."""
+    """What one step did. The engine keeps none of it; metrics, pictures and a server observe it."""
 
     new_tokens: list[NewToken] = field(default_factory=list)  # in batch order
-    # Completions that ended this step (seq.owner_id and seq.completion name them); the engine has let go of them.
+    # Completions that ended this step (seq.request_id and seq.completion name them); the engine has let go of them.
     finished: list[Sequence] = field(default_factory=list)
-    trace: StepTrace | None = None  # the step's picture, when keep_traces asks for one
+    num_computed_tokens: int = 0  # tokens the forward computed: prompt chunks, decodes, drafts
+    num_draft_tokens: int = 0  # chapter 11: draft tokens verified this step
+    num_accepted_tokens: int = 0  # of them, accepted
+    num_cached_tokens: int = 0  # prompt tokens of the requests admitted now that the prefix cache served
+    stats: EngineStats | None = None  # the queues and the pool after the step
+    time_s: float = 0.0  # the step's wall time
+    trace: StepTrace | None = None  # the step's picture, when keep_traces or the caller asks for one
 
 
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig | None = None):
-        self.model, self.config = model, config or EngineConfig()
-        cfg, ec = model.config, self.config
-        num_blocks = ec.num_blocks
-        if num_blocks is None:
-            budget = KVPool.memory_budget(model.device, ec.gpu_memory_fraction, ec.cpu_kv_gib)
-            num_blocks = KVPool.num_blocks_for_memory(budget, cfg.num_layers, ec.block_size,
-                                                      cfg.num_kv_heads, cfg.head_dim, model.dtype)
-            # More than every slot at full context can never be used; a small model
-            # would otherwise get a huge pool (and a huge block map in every trace).
-            num_blocks = min(num_blocks, ec.max_num_seqs * -(-cfg.max_position_embeddings // ec.block_size))
-        self.kernels = attention_kernels(ec.attention)
-        self.num_blocks = num_blocks
-        Speculator = impl.load("speculative").Speculator
-        Speculator(1, ec.num_speculative_tokens)  # refuse a bad k even while speculation is off
-        self.speculator = (None if ec.speculative_ngram is None
-                           else Speculator(ec.speculative_ngram, ec.num_speculative_tokens))
-        self.scheduler, self.allocator = self._build_scheduler()
-        # The runner: eager, or chapter 10's, which replays decode-only steps from CUDA
-        # graphs. With it the pool has one block more than the allocator hands out:
-        # the scratch block, where the runner's padding rows write their K/V.
-        graphing = impl.load("cuda_graphs")  # chapter 10's runner: buckets and padding
-        mode = graphing.runner_mode(ec.cuda_graphs, model.device, self.kernels)
-        self.pool = KVPool(cfg.num_layers, num_blocks + (1 if mode else 0), ec.block_size, cfg.num_kv_heads,
-                           cfg.head_dim, model.dtype, model.device)
-        self.runner = (graphing.DecodeGraphs(model, self.pool, self.kernels, ec.max_num_seqs,
-                                             scratch_block=num_blocks, capture=mode == "graphs") if mode
-                       else ModelRunner(model, self.pool, self.kernels))
-        self.requests: dict[int, Sequence] = {}  # request_id -> its state, while it waits or runs (every completion)
-        keep = ec.keep_traces
-        if keep is not None and (not isinstance(keep, int) or keep < 0):
-            raise ValueError(f"keep_traces={keep!r}; it must be 0 (none), a positive int (the last N steps) "
-                             f"or None (every step)")
-        self.traces: deque[StepTrace] = deque(maxlen=keep)
-        self.num_steps = 0
+    def __init__(self, model: Model, config: EngineConfig | None = None, parts: EngineParts | None = None):
+        """An engine over `model`, made of what `parts` builds from `config`.
 
-    def _build_scheduler(self):
-        """A new scheduler over a new, empty allocator of `num_blocks` blocks: (scheduler, allocator)."""
-        cfg, ec = self.model.config, self.config
-        # The chapter components come through impl.load, so MINICB_IMPL=student
-        # runs this very loop on the student's allocator and scheduler.
-        if ec.enable_prefix_caching:
-            allocator = impl.load("prefix_cache").CachingBlockAllocator(self.num_blocks, ec.block_size)
-        else:
-            allocator = impl.load("block_allocator").BlockAllocator(self.num_blocks, ec.block_size)
-        scheduling = impl.load("scheduler")
-        self.Sequence = scheduling.Sequence
-        Scheduler = (impl.load("chunked_prefill").ChunkedScheduler if ec.enable_chunked_prefill
-                     else scheduling.Scheduler)
-        scheduler = Scheduler(allocator, ec.max_num_seqs, cfg.max_position_embeddings, cfg.eos_token_ids,
-                              ec.max_num_batched_tokens, ec.watermark, self.speculator)
-        return scheduler, allocator
+        parts: the factory of the parts (minicb/parts.py); by default the reference's
+        code, or a student's where MINICB_IMPL says so. Everything the engine is
+        made of is built here, once.
+        """
+        self.model, self.config = model, config or EngineConfig()
+        self.config.validate()  # its fields may have been changed since it was made
+        self.parts = parts or EngineParts.from_environment(self.config)
+        self.num_blocks = self.parts.num_blocks(model)
+        self.seq_ids = itertools.count()  # every sequence's id (a request is named by its first), never reused
+        self.attention = self.parts.attention(model)  # minicb/attention_backends.py
+        self.speculator = self.parts.speculator()  # chapter 11's, or None
+        self.allocator = self.parts.allocator(self.num_blocks)  # chapter 03's or 07's
+        self.scheduler = self.parts.scheduler(self.allocator, model, self.speculator, self.seq_ids)
+        self.pool, self.runner = self.parts.runner(model, self.num_blocks, self.attention)  # eager or chapter 10's
+        self.Sequence = self.parts.sequence_type()
+        self.limits = EngineLimits(model.config.max_position_embeddings, self.num_blocks, self.config.block_size,
+                                   self.config.max_num_seqs)
+        self.sequences: dict[int, Sequence] = {}  # seq_id -> its state, while it waits or runs (every completion)
+        self.traces: deque[StepTrace] = deque(maxlen=self.config.keep_traces)
+        self.num_steps = 0
 
     def reset(self) -> list[int]:
         """Forget every request and every cached block, keeping the pool's memory; return the
-        ids of the requests dropped (every completion's).
+        ids of the requests dropped.
 
         For after a step raised (a server keeps serving). The step may have stopped
         anywhere between schedule and postprocess, so nothing the scheduler or the
         allocator holds can be trusted: with prefix caching, blocks got their keys when
         they were scheduled, for K/V the forward never wrote. So both are built anew.
-        Request ids keep counting: an id never names two requests, so an abort that
-        arrives late for a dropped one cannot hit a new one.
+        Request ids keep counting (the engine's counter goes to the new scheduler): an
+        id never names two requests, so an abort that arrives late for a dropped one
+        cannot hit a new one.
         """
-        dropped = list(self.requests)
-        ids = getattr(self.scheduler, "_ids", None)  # a student's scheduler may count its own way
-        self.scheduler, self.allocator = self._build_scheduler()
-        if ids is not None:
-            self.scheduler._ids = ids
-        self.requests.clear()
+        dropped = sorted({seq.request_id for seq in self.sequences.values()})
+        self.allocator = self.parts.allocator(self.num_blocks)
+        self.scheduler = self.parts.scheduler(self.allocator, self.model, self.speculator, self.seq_ids)
+        self.sequences.clear()
         return dropped
+
+    def stats(self) -> EngineStats:
+        """The queues and the pool now. Call it on the thread that owns the engine."""
+        allocator = self.allocator
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), allocator.num_blocks,
+                           allocator.num_free_blocks, len(allocator.cached_free_blocks()))
 
     # ---- requests -------------------------------------------------------------------
 
@@ -175,14 +186,14 @@ class Engine:
         """Queue a request; returns its id. Raises (and queues nothing) if it can never be served."""
         prompt_token_ids = list(prompt_token_ids)
         self.check_request(prompt_token_ids, params)
-        rid = self.scheduler.new_request_id()
+        rid = next(self.seq_ids)  # the request's id is its first sequence's
         seq = self.Sequence(rid, prompt_token_ids, params,
                             arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         # Each completion samples with its own generator (seeded: seed and completion index).
         seq.generator = make_generator(params, self.model.device)
         seq.sibling_generators = [make_generator(params, self.model.device, c) for c in range(1, params.n)]
         self.scheduler.add(seq)
-        self.requests[rid] = seq
+        self.sequences[rid] = seq
         return rid
 
     def abort(self, request_id: int, completion: int | None = None) -> list[Sequence]:
@@ -194,15 +205,15 @@ class Engine:
         forked, and its `siblings_to_come` says how many. KeyError if none of them
         waits or runs.
         """
-        victims = [seq for seq in self.requests.values() if seq.owner_id == request_id
+        victims = [seq for seq in self.sequences.values() if seq.request_id == request_id
                    and (completion is None or seq.completion == completion)]
         if not victims:
             which = "" if completion is None else f" completion {completion}"
             raise KeyError(f"request {request_id}{which} is not waiting or running")
         now = time.perf_counter()
         for seq in victims:
-            self.scheduler.abort(seq.request_id)
-            del self.requests[seq.request_id]
+            self.scheduler.abort(seq.seq_id)
+            del self.sequences[seq.seq_id]
             seq.finish_time = now
         return victims
 
@@ -211,42 +222,39 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------
 
-    def step(self) -> StepOutput:
-        t0 = time.perf_counter()
+    def step(self, trace: bool = False) -> StepOutput:
+        """Run one step: schedule, prepare, forward, sample, postprocess. trace: build this step's
+        StepTrace even when the engine keeps none (keep_traces=0), for a caller that draws it."""
+        began = time.perf_counter()
         out = self.scheduler.schedule()  # 1. schedule
-        seqs = out.sequences  # decodes first, then prefills
-        # Who computed what where, read before postprocess frees the finished ones' slots.
-        # (Admitted requests start at num_computed_tokens = their cached prefix.)
-        work = [(s.request_id, s.slot, "decode" if s.is_decoding else "prefill", out.num_new_tokens(s),
-                 s.num_computed_tokens) for s in seqs]
-        num_outputs = [len(s.output_token_ids) for s in seqs]  # what each had before this step
-        sampled: list[list[int]] = [[] for _ in seqs]
-        if seqs:
-            logits = self.runner(prepare(out, self.allocator))  # 2. prepare, 3. forward: [S, V]
+        tracing = trace or self.traces.maxlen != 0
+        placed = out.placements() if tracing else []  # who ran where: postprocess frees finished slots
+        sampled = []
+        if not out.is_empty:
+            logits = self.runner(prepare(out, self.allocator))  # 2. prepare, 3. forward: [rows, V]
             sampled = self.sample(out, logits)  # 4. sample
-        now = time.perf_counter()
-        finished = self.scheduler.postprocess(out, sampled, now)  # 5. postprocess
-        for seq in out.forked:  # completions born this step (n > 1)
-            self.requests[seq.request_id] = seq
-        for seq in finished:
-            del self.requests[seq.request_id]  # handed out below; the engine keeps nothing
-        result = StepOutput(finished=finished)
-        # The tokens postprocess appended, in batch order: a speculating request's run in order,
-        # and a request that forked now in completion order (its completions' first tokens).
-        born = {}
-        for child in out.forked:
-            born.setdefault(child.parent_id, []).append(child)
-        appended = [(completion, token) for seq, before in zip(seqs, num_outputs)
-                    for completion in [seq] + born.get(seq.request_id, [])
-                    for token in completion.output_token_ids[before if completion is seq else 0:]]
-        for completion, token in appended:
-            result.new_tokens.append(NewToken(completion.owner_id, completion.completion, token))
-            completion.token_times.append(now)  # for inter-token latency
+        result = self.scheduler.postprocess(out, sampled, time.perf_counter())  # 5. postprocess
+        output = self._output(out, result, began)
+        if tracing:
+            output.trace = self._trace(out, placed, sampled, result, output.time_s)
+            self.traces.append(output.trace)  # a deque of maxlen 0 keeps nothing
+        return output
+
+    def _output(self, out: SchedulerOutput, result: StepResult, began: float) -> StepOutput:
+        """The step's StepOutput, from what postprocess returned; the engine lets go of finished completions."""
         self.num_steps += 1
-        if self.traces.maxlen != 0:
-            result.trace = self._trace(out, work, sampled, appended, result, time.perf_counter() - t0)
-            self.traces.append(result.trace)
-        return result
+        for seq in result.forked:
+            self.sequences[seq.seq_id] = seq
+        for seq in result.finished:
+            del self.sequences[seq.seq_id]  # handed out in the output; the engine keeps nothing
+        admitted = set(out.admitted)
+        return StepOutput(
+            new_tokens=[NewToken(c.request_id, c.completion, token) for c, token in result.new_tokens],
+            finished=result.finished, num_computed_tokens=sum(out.num_scheduled.values()),
+            num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens,
+            num_cached_tokens=sum(s.num_cached_tokens for s in out.prefills if s.seq_id in admitted
+                                  and s.num_preemptions == 0),
+            stats=self.stats(), time_s=time.perf_counter() - began)
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[list[int]]:
         """The tokens of each scheduled sequence (out.sequences order), from logits [R, V], one row each
@@ -283,32 +291,32 @@ class Engine:
             start += count
         return sampled
 
-    def _trace(self, out, work, sampled, appended, result: StepOutput, seconds: float) -> StepTrace:
+    def _trace(self, out: SchedulerOutput, placed, sampled, result: StepResult, seconds: float) -> StepTrace:
         slots = [SlotState(None, "empty", 0) for _ in range(self.config.max_num_seqs)]
-        for request_id, slot, phase, num_tokens, _ in work:
-            slots[slot] = SlotState(request_id, phase, num_tokens)
+        for seq_id, slot, phase, num_tokens, _ in placed:
+            slots[slot] = SlotState(seq_id, phase, num_tokens)
         num_tokens = sum(s.num_tokens for s in slots)
         admitted = set(out.admitted)
         holders = Counter(block for seq in self.scheduler.running
-                          for block in self.allocator.block_table(seq.request_id))
+                          for block in self.allocator.block_table(seq.seq_id))
         return StepTrace(
             step=self.num_steps - 1, slots=slots,
             admitted=list(out.admitted),
-            finished=[(s.request_id, s.finish_reason) for s in result.finished],
+            finished=[(s.seq_id, s.finish_reason) for s in result.finished],
             preempted=list(out.preempted),
-            waiting=[s.request_id for s in self.scheduler.waiting],
-            running=[s.request_id for s in self.scheduler.running],
+            waiting=[s.seq_id for s in self.scheduler.waiting],
+            running=[s.seq_id for s in self.scheduler.running],
             num_free_blocks=self.allocator.num_free_blocks,
             num_blocks=self.allocator.num_blocks,
             block_owners=self.allocator.block_owners(),
             num_tokens=num_tokens, num_useful_tokens=num_tokens,  # no padding, no idle rows
             time_s=seconds,
-            new_tokens=[(seq.request_id, token) for seq, token in appended],
-            speculation=[(seq.request_id, out.drafts(seq), len(tokens) - 1, tokens[-1])
+            new_tokens=[(seq.seq_id, token) for seq, token in result.new_tokens],
+            speculation=[(seq.seq_id, out.drafts(seq), len(tokens) - 1, tokens[-1])
                          for seq, tokens in zip(out.sequences, sampled) if out.drafts(seq)],
             cached_free_blocks=self.allocator.cached_free_blocks(),
             shared_blocks=sorted(block for block, count in holders.items() if count > 1),
-            cached_tokens=[(request_id, cached) for request_id, _, _, _, cached in work if request_id in admitted],
+            cached_tokens=[(seq_id, cached) for seq_id, _, _, _, cached in placed if seq_id in admitted],
             # Chunked prefill never exceeds it; whole-prompt admission uses it to admit, but a
             # prompt longer than the budget still runs whole when nothing else does.
             token_budget=self.config.max_num_batched_tokens,

@@ -148,26 +148,22 @@ class LLM:
         enable_prefix_caching (chapter 07; metrics.num_cached_tokens says how many prompt
         tokens it served), enable_chunked_prefill with max_num_batched_tokens (chapter 08),
         cuda_graphs (chapter 10), speculative_ngram and num_speculative_tokens (chapter 11).
-        keep_traces: the StepTraces of each call to keep in `llm.traces` for the pictures;
-        here None (every step) unless given: N the last N, 0 none (for a long-running caller).
+        `llm.traces` holds every step of the last call, for the pictures (the engine builds a
+        StepTrace for whoever asks; its own keep_traces is about Engine.traces).
         An unknown setting raises a TypeError that lists the allowed ones."""
-        self._setup(*build(model, device, dtype, **{"keep_traces": None, **engine_config}))
+        self._setup(*build(model, device, dtype, **engine_config))
 
     @classmethod
     def from_model(cls, net: Model, tokenizer=None, **engine_config) -> "LLM":
         """Wrap an already built model, e.g. `minicb.model.random_model()` in tests.
-        engine_config: EngineConfig's fields; keep_traces defaults to None (every step), as above."""
+        engine_config: EngineConfig's fields, as above."""
         llm = cls.__new__(cls)
-        llm._setup(net, tokenizer, Engine(net, engine_config_from({"keep_traces": None, **engine_config})))
+        llm._setup(net, tokenizer, Engine(net, engine_config_from(engine_config)))
         return llm
 
     def _setup(self, net: Model, tokenizer, engine: Engine) -> None:
         self.model, self.tokenizer, self.engine = net, tokenizer, engine
-
-    @property
-    def traces(self) -> list[StepTrace]:
-        """The last call's steps (as many as keep_traces keeps), for minicb.viz and the bench."""
-        return list(self.engine.traces)
+        self.traces: list[StepTrace] = []  # the last call's steps, for minicb.viz, the demo and the bench
 
     # ---- turning user input into token ids -------------------------------------------
 
@@ -224,7 +220,7 @@ class LLM:
         index_of: dict[int, int] = {}  # request id -> prompt index
         done: dict[int, dict[int, Sequence]] = {}  # prompt index -> completion -> finished Sequence
         live: set[int] = set()  # this call's requests with a completion still waiting or running
-        self.engine.traces.clear()
+        self.traces = []
         pending = list(arrivals)
         try:
             while pending or self.engine.has_unfinished():
@@ -238,12 +234,13 @@ class LLM:
                 if not self.engine.has_unfinished():
                     time.sleep(max(0.0, arrival_times[pending[0]] - now))  # idle until the next arrival
                     continue
-                step = self.engine.step()
+                step = self.engine.step(trace=True)
+                self.traces.append(step.trace)
                 for seq in step.finished:
-                    i = index_of[seq.owner_id]
+                    i = index_of[seq.request_id]
                     done[i][seq.completion] = seq
                     if len(done[i]) == params[i].n:
-                        live.discard(seq.owner_id)
+                        live.discard(seq.request_id)
                 # A request's output goes with the last token of its last completion to finish
                 # (several of its completions can finish in the same step).
                 last_token_of = {index_of[t.request_id]: k for k, t in enumerate(step.new_tokens)}

@@ -81,8 +81,8 @@ def prepare(out, allocator) -> StepBatch:
         start = seq.num_computed_tokens
         end = start + out.num_new_tokens(seq)
         tokens = (seq.token_ids + out.drafts(seq))[start:end]
-        slots = allocator.slot_mapping(seq.request_id, start, end)
-        table = allocator.block_table(seq.request_id)
+        slots = allocator.slot_mapping(seq.seq_id, start, end)
+        table = allocator.block_table(seq.seq_id)
         rows = [(p, p + 1) for p in range(start, end)] if out.drafts(seq) else [(start, end)]
         for row_start, row_end in rows:
             batch.token_ids += tokens[row_start - start:row_end - start]
@@ -97,8 +97,9 @@ def prepare(out, allocator) -> StepBatch:
 class ModelRunner:
     """Runs a StepBatch through the model over the paged pool, eagerly: one forward a step."""
 
-    def __init__(self, model: Model, pool: KVPool, kernels):
-        self.model, self.pool, self.kernels = model, pool, kernels
+    def __init__(self, model: Model, pool: KVPool, attention):
+        # attention: the engine's backend (minicb/attention_backends.py), the same object every step
+        self.model, self.pool, self.attention = model, pool, attention
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
         """-> logits [num_seqs, vocab]: each row's last new token's (every token of a verifying decode's)."""
@@ -110,7 +111,7 @@ class ModelRunner:
         device = self.model.device
         meta = AttentionMetadata.build(batch.block_tables, batch.context_lens, batch.num_new_tokens,
                                        batch.slot_mapping, batch.num_decodes, device)
-        attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.kernels)
+        attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.attention)
         input_ids = torch.tensor([batch.token_ids], device=device)  # [1, N]
         positions = torch.tensor([batch.positions], device=device)  # [1, N]
         return self.model(input_ids, positions, attention, logits_at=meta.last_token_index())[0]  # [S, V]

@@ -12,16 +12,16 @@ prompt -- with every sequence's keys and values scattered over KV blocks:
 `PagedAttention` is the `attention(layer, q, k, v)` object the model calls in
 every layer (see minicb/model.py). It stores the new K/V through the slot
 mapping, then runs the decode kernel over the first `num_decodes` sequences and
-the ragged prefill over the rest. The kernels come from chapter 04
-(`minicb.paged_attention`, attention="torch") or chapter 05
-(`minicb.triton_attention`, attention="triton"); both share one signature. With
-attention="triton" compiled on a GPU, the prefill part of a step runs the
-query-tile kernel of minicb/tile_attention.py instead (`use_tile_prefill`).
+the ragged prefill over the rest. The kernels are an attention backend
+(minicb/attention_backends.py): chapter 04's (attention="torch"), chapter 05's
+(attention="triton"), with the query-tile prefill of minicb/tile_attention.py
+when compiled, or a student's file. All answer one interface, so nothing here
+asks which it holds.
 
 The batch is checked once per step, on the host lists, when the metadata is
 built and when `PagedAttention` is made; inside the forward the kernels run
 unchecked and nothing reads a tensor's value on the host, which on a GPU would
-stall every layer (tests/test_host_syncs.py counts such reads).
+stall every layer (tests/engine/test_host_syncs.py counts such reads).
 
 `generate_paged` is the smallest loop that uses it: one sequence at a time, to
 check that paging changes nothing (its greedy tokens equal chapter 01's).
@@ -29,20 +29,15 @@ Chapter 06's engine builds the same metadata for many sequences at once.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-from minicb import cpu_attention, impl
+from minicb.attention_backends import AttentionBackend
 from minicb.block_allocator import BlockAllocator
 from minicb.model import Model
 from minicb.naive import Generation, check_prompt
 from minicb.sampling import SamplingParams, finish_reason, make_generator, sample
-
-ATTENTION_BACKENDS = ("torch", "triton")
-
 
 @dataclass
 class AttentionMetadata:
@@ -141,144 +136,66 @@ class AttentionMetadata:
         return (self.cu_seqlens_q[1:] - 1).long()[None]
 
 
-def attention_kernels(name: str):
-    """The module holding store_kv / paged_decode_attention / paged_prefill_attention for a backend."""
-    if name == "torch":
-        return impl.load("paged_attention")
-    if name == "triton":
-        return impl.load("triton_attention")
-    raise ValueError(f"attention={name!r} is not a backend; choose one of {ATTENTION_BACKENDS}")
-
-
 class PagedAttention:
     """The model's `attention` object for one forward over the paged pool.
 
     It checks the metadata against the pool once, when it is made (once per
-    step), and builds what every layer shares. Then each layer's call only
-    launches kernels, unchecked, and reads no tensor's value on the host.
+    step), and asks the backend (minicb/attention_backends.py) for what every
+    layer shares: the decode plan, the prefill's tile plan. Then each layer's
+    call only launches kernels, unchecked, and reads no tensor's value on the host.
     """
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 metadata: AttentionMetadata, kernels):
+                 metadata: AttentionMetadata, backend: AttentionBackend):
         self.k_caches, self.v_caches = k_caches, v_caches  # per layer [num_blocks, block_size, n_kv, hd]
         self.meta = meta = metadata
+        self.backend = backend
         num_blocks, block_size = k_caches[0].shape[:2]
         meta.check_fits(num_blocks, block_size)
-        self.ops = _unchecked_ops(kernels)
         d = meta.num_decodes  # decode tokens are q[:d], one per sequence
         # Prefill tokens are q[first:], with offsets relative to the first one.
         self.first_prefill_token = meta.host_cu_seqlens_q[d]
         self.prefill_starts = [start - self.first_prefill_token for start in meta.host_cu_seqlens_q[d:]]
         self.prefill_cu = meta.cu_seqlens_q[d:] - self.first_prefill_token
-
-        # Ragged prefill: the backend's own, except in two cases.
-        # - Under the Triton interpreter (CPU), running a whole prompt through
-        #   Python-level kernel programs takes minutes; there chapter 04's PyTorch
-        #   prefill does it, and Triton keeps store_kv and decode, the kernels
-        #   chapter 05 is about.
-        # - The reference Triton backend, compiled, prefills with the query-tile
-        #   kernel of minicb/tile_attention.py, which reads each sequence's K/V once
-        #   per tile of new tokens where chapter 05's reads them once per new token.
-        #   Its tile plan is built here, once per step. See use_tile_prefill().
-        self.prefill = self.ops.prefill
-        if getattr(kernels, "INTERPRETED", False):
-            self.prefill = _unchecked_ops(impl.load("paged_attention")).prefill
-        if meta.num_seqs > d and use_tile_prefill(kernels):
-            self.prefill = _tile_prefill(self.prefill_starts, k_caches[0])
-
-        # On a CPU, in fp32, the reference backend decodes with minicb/cpu_attention.py:
-        # chapter 04's online softmax compiled with Numba, reading the blocks in place
-        # instead of gathering a copy. A student's module always runs as written.
-        self.cpu_decode = kernels.__name__ == "minicb.paged_attention" and cpu_attention.applies_to(k_caches[0])
-        # Every layer reads the same blocks, so what the decode kernel needs to
-        # find them (chapter 04: the gather table and length mask) is built once, here.
-        self.decode_plan = None
-        if d > 0 and not self.cpu_decode:
-            self.decode_plan = self.ops.decode_plan(meta.block_tables[:d], meta.context_lens[:d],
-                                                    max(meta.host_context_lens[:d]), block_size)
+        # Every layer reads the same blocks, so what the kernels need to find them
+        # (chapter 04: the gather table and length mask; the tile kernel: its tiles)
+        # is built once, here.
+        self.decode_plan = self.prefill_plan = None
+        if d > 0:
+            self.decode_plan = backend.plan_decode(meta.block_tables[:d], meta.context_lens[:d],
+                                                   max(meta.host_context_lens[:d]), block_size)
+        if meta.num_seqs > d:
+            self.prefill_plan = backend.plan_prefill(self.prefill_starts, k_caches[0])
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [1, N, n_heads, hd]; k, v [1, N, n_kv_heads, hd]
-        meta, k_cache, v_cache = self.meta, self.k_caches[layer], self.v_caches[layer]
-        self.ops.store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
+        meta, k_cache, v_cache, backend = self.meta, self.k_caches[layer], self.v_caches[layer], self.backend
+        backend.store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
         q = q[0]  # [N, n_heads, hd]
         d = meta.num_decodes
         parts = []
-        if d > 0 and self.cpu_decode:
-            parts.append(cpu_attention.paged_decode_attention_unchecked(
-                q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d]))
-        elif d > 0:
-            parts.append(self.ops.decode(q[:d], k_cache, v_cache, self.decode_plan))
+        if d > 0:
+            parts.append(backend.decode(q[:d], k_cache, v_cache, self.decode_plan))
         if meta.num_seqs > d:
-            parts.append(self.prefill(q[self.first_prefill_token:], k_cache, v_cache, meta.block_tables[d:],
-                                      meta.context_lens[d:], self.prefill_cu, self.prefill_starts,
-                                      meta.host_context_lens[d:]))
+            parts.append(backend.prefill(q[self.first_prefill_token:], k_cache, v_cache, meta.block_tables[d:],
+                                         meta.context_lens[d:], self.prefill_cu, self.prefill_starts,
+                                         meta.host_context_lens[d:], self.prefill_plan))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out[None]  # [1, N, n_heads, hd]
 
 
-def use_tile_prefill(kernels) -> bool:
-    """Whether a step's prefills go to minicb/tile_attention.py's query-tile kernel.
+def generate_paged(model: Model, prompt_ids: list[int], params: SamplingParams,
+                   attention: str | AttentionBackend = "torch", block_size: int = 16) -> Generation:
+    """Chapter 01's cached loop, with the contiguous cache swapped for blocks of a pool.
 
-    Only for the reference Triton backend: a student's chapter 05 module always
-    runs its own prefill, which is what that chapter grades. By default only when
-    the kernels are compiled (under the interpreter chapter 04's PyTorch prefill is
-    far quicker). MINICB_TILE_PREFILL=1 or 0 overrides that default, e.g. to run
-    the tile kernel under the interpreter in a test, or chapter 05's prefill on a GPU.
-    """
-    if kernels.__name__ != "minicb.triton_attention":
-        return False
-    setting = os.environ.get("MINICB_TILE_PREFILL")
-    if setting is None:
-        return not kernels.INTERPRETED
-    if setting not in ("0", "1"):
-        raise ValueError(f"MINICB_TILE_PREFILL={setting!r}; allowed: '1' (the query-tile kernel) or '0' (chapter "
-                         f"05's prefill, or chapter 04's under the Triton interpreter)")
-    return setting == "1"
-
-
-def _tile_prefill(query_starts: list[int], k_cache: torch.Tensor):
-    """A prefill with the unchecked-prefill signature that runs the tile kernel on a plan built now, once."""
-    from minicb import tile_attention  # here: importing it imports triton, which the torch backend never needs
-
-    plan = tile_attention.tile_plan(query_starts, k_cache)
-
-    def prefill(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, query_starts, lens):
-        return tile_attention.paged_attention_tiles_unchecked(q, k_cache, v_cache, block_tables, context_lens,
-                                                              cu_seqlens_q, plan)
-    return prefill
-
-
-def _unchecked_ops(kernels) -> SimpleNamespace:
-    """A backend's unchecked entry points: store_kv, decode_plan, decode, prefill.
-
-    Chapters 04 and 05 provide them (the `*_unchecked` functions and decode_plan).
-    A student's exercise module (MINICB_IMPL=student) has only the checked public
-    functions; those give the same answers, and check (and read the host) in every layer.
-    """
-    if hasattr(kernels, "paged_decode_attention_unchecked"):
-        return SimpleNamespace(store_kv=kernels.store_kv_unchecked, decode_plan=kernels.decode_plan,
-                               decode=kernels.paged_decode_attention_unchecked,
-                               prefill=kernels.paged_prefill_attention_unchecked)
-
-    def decode_plan(block_tables, context_lens, max_context_len, block_size):
-        return block_tables, context_lens
-
-    def decode(q, k_cache, v_cache, plan):
-        return kernels.paged_decode_attention(q, k_cache, v_cache, *plan)
-
-    def prefill(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, query_starts, lens):
-        return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
-
-    return SimpleNamespace(store_kv=kernels.store_kv, decode_plan=decode_plan, decode=decode, prefill=prefill)
-
-
-def generate_paged(model: Model, prompt_ids: list[int], params: SamplingParams, attention: str = "torch",
-                   block_size: int = 16) -> Generation:
-    """Chapter 01's cached loop, with the contiguous cache swapped for blocks of a pool."""
+    attention: a backend, or EngineConfig.attention's name for the one an engine
+    would build (with MINICB_IMPL=student, the student's kernels)."""
     cfg, device = model.config, model.device
     check_prompt(prompt_ids, cfg.max_position_embeddings)
-    kernels = attention_kernels(attention)
+    if isinstance(attention, str):
+        from minicb.config import EngineConfig
+        from minicb.parts import EngineParts  # here: the parts import this module
+        attention = EngineParts.from_environment(EngineConfig(attention=attention)).attention(model)
     max_len = min(len(prompt_ids) + params.max_tokens, cfg.max_position_embeddings)
     allocator = BlockAllocator(num_blocks=-(-max_len // block_size), block_size=block_size)
     shape = (allocator.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -295,7 +212,7 @@ def generate_paged(model: Model, prompt_ids: list[int], params: SamplingParams, 
                                        num_decodes=1 if len(new) == 1 else 0, device=device)
         ids = torch.tensor([tokens[new[0]:]], device=device)  # [1, len(new)]
         positions = torch.tensor([new], device=device)
-        logits = model(ids, positions, PagedAttention(k_caches, v_caches, meta, kernels),
+        logits = model(ids, positions, PagedAttention(k_caches, v_caches, meta, attention),
                        logits_at=meta.last_token_index())  # [1, 1, V]
         token = sample(logits[:, -1], [params], [generator])[0]
         out.append(token)

@@ -66,9 +66,13 @@ def block_keys(token_ids: list[int], block_size: int) -> list[int]:
     _check_positive_int("block_size", block_size)
     keys, parent = [], None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        # Python's hash() of a tuple of ints is 64 bits and the same in every run
-        # (only str/bytes hashes are salted). A collision would hand out wrong
-        # K/V; vLLM offers SHA-256 for servers where that risk matters.
+        # Python's hash() of a tuple is 64 bits, and the same for the same tokens
+        # within one process, which is all the cache needs: it lives in the
+        # engine's memory and dies with it. It is NOT the same in every run:
+        # hash(None), the first block's parent, is derived from an address before
+        # Python 3.12, and str/bytes hashes are salted. A cache kept on disk or
+        # shared between processes would need a hash of bytes (hashlib). A
+        # collision would hand out wrong K/V; vLLM offers SHA-256 where that matters.
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
         keys.append(parent)
     return keys

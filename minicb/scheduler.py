@@ -32,7 +32,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from minicb.block_allocator import BlockAllocator
 from minicb.sampling import SamplingParams, finish_reason
@@ -74,13 +74,17 @@ class Sequence:
     sequence only while it waits or runs, and let go of this object in the step
     that finishes it (or when it is aborted), by handing it out.
 
-    A request with n > 1 completions (parallel sampling) is n sequences. The first
-    is the one add_request made (`completion` 0); the other n - 1 are forked from
-    it when its prompt is computed, each with its own `request_id` (the key of its
-    blocks and slot), `parent_id` naming the first, and its `completion` index.
+    Two ids, two names. `seq_id` is this sequence's own: the key of its blocks
+    and its slot, which the scheduler and the allocator use. `request_id` is the
+    request's, the id add_request returned, which the engine's outputs, aborts
+    and the server use. A request with n > 1 completions (parallel sampling) is n
+    sequences: the first is the one add_request made (`completion` 0, whose
+    seq_id is the request_id); the other n - 1 are forked from it when its prompt
+    is computed, each with a seq_id of its own, the same request_id, and its
+    `completion` index.
     """
 
-    request_id: int  # this sequence's own id: the key of its blocks and its slot
+    seq_id: int  # this sequence's own id: the key of its blocks and its slot
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0  # time.perf_counter() when it was added
@@ -90,11 +94,11 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     first_token_time: float | None = None  # when its first output token was sampled
-    token_times: list[float] = field(default_factory=list)  # when each output token was sampled (the engine stamps them)
+    token_times: list[float] = field(default_factory=list)  # when each output token was sampled (StepResult.append)
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    parent_id: int | None = None  # parallel sampling: completion 0's request_id (None: it is completion 0)
+    request_id: int | None = None  # the request it is a completion of (add_request's id); None: its own seq_id
     completion: int = 0  # parallel sampling: which of its request's n completions this is
     forked: bool = False  # parallel sampling: its n - 1 sibling completions exist (or n = 1)
     generator: torch.Generator | None = None  # its own torch.Generator for seeded sampling (None: greedy or unseeded)
@@ -113,10 +117,9 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def owner_id(self) -> int:
-        """The id add_request returned for the request this completion belongs to."""
-        return self.request_id if self.parent_id is None else self.parent_id
+    def __post_init__(self):
+        if self.request_id is None:  # a request's first sequence: the request is named by it
+            self.request_id = self.seq_id
 
     @property
     def is_decoding(self) -> bool:
@@ -135,13 +138,13 @@ class SchedulerOutput:
 
     decodes: list[Sequence] = field(default_factory=list)  # their newest token: 1 each (and drafts, chapter 11)
     prefills: list[Sequence] = field(default_factory=list)  # prompt tokens (prompt + outputs after a preemption)
-    # request_id -> how many tokens it computes this step: positions
+    # seq_id -> how many tokens it computes this step: positions
     # [num_computed_tokens, num_computed_tokens + this). Every scheduled sequence is here.
     num_scheduled: dict[int, int] = field(default_factory=dict)
-    admitted: list[int] = field(default_factory=list)
-    preempted: list[int] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)  # seq_ids
+    preempted: list[int] = field(default_factory=list)  # seq_ids
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies
-    # Chapter 11: request_id -> the draft tokens a decoding request verifies this step. It
+    # Chapter 11: seq_id -> the draft tokens a decoding request verifies this step. It
     # computes its newest token and these: num_scheduled = 1 + len(drafts).
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     forked: list[Sequence] = field(default_factory=list)  # completions born in postprocess (n > 1)
@@ -152,25 +155,53 @@ class SchedulerOutput:
 
     def num_new_tokens(self, seq: Sequence) -> int:
         """Tokens `seq` computes this step."""
-        return self.num_scheduled[seq.request_id]
+        return self.num_scheduled[seq.seq_id]
 
     def drafts(self, seq: Sequence) -> list[int]:
         """The draft tokens `seq` verifies this step ([] for all but speculating decodes)."""
-        return self.draft_token_ids.get(seq.request_id, [])
+        return self.draft_token_ids.get(seq.seq_id, [])
 
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled
 
+    def placements(self) -> list[tuple[int, int, str, int, int]]:
+        """(seq_id, slot, "decode" | "prefill", tokens computed now, tokens computed before) of each
+        scheduled sequence, in batch order. Read it before postprocess, which frees finished slots."""
+        return [(s.seq_id, s.slot, "decode" if s.is_decoding else "prefill", self.num_new_tokens(s),
+                 s.num_computed_tokens) for s in self.sequences]
+
+
+@dataclass
+class StepResult:
+    """What postprocess did, so that nobody works it out afterwards (the engine builds its StepOutput from it).
+
+    new_tokens lists every token appended, as (completion, token), in batch
+    order: a request's accepted drafts and its one more token in order (chapter
+    11), and a request that forked this step as its completions' first tokens in
+    completion order. A token after a stop token was never appended, so it is not here.
+    """
+
+    new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended this step; the scheduler has let go of them
+    forked: list[Sequence] = field(default_factory=list)  # completions born this step (n > 1), = out.forked
+    num_draft_tokens: int = 0  # chapter 11: drafts verified this step
+    num_accepted_tokens: int = 0  # of them, accepted
+
+    def append(self, completion: Sequence, token: int, now: float) -> None:
+        """Append one sampled token to a completion, stamped `now` (token_times, first_token_time), and record it."""
+        completion.output_token_ids.append(token)
+        completion.token_times.append(now)  # for inter-token latency
+        if completion.first_token_time is None:
+            completion.first_token_time = now
+        self.new_tokens.append((completion, token))
+
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_model_len: int,
                  eos_token_ids: list[int], max_num_batched_tokens: int = 2048, watermark: float = 0.01,
-                 speculator=None):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={max_num_seqs}; it must be >= 1")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}; it must be >= 1")
+                 speculator=None, seq_ids: Iterator[int] | None = None):
+        # The settings come from an EngineConfig, which has checked them (minicb/config.py).
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -182,17 +213,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.slots: list[Sequence | None] = [None] * max_num_seqs
-        self._ids = itertools.count()  # request ids: add_request's and forked completions' alike
+        # Sequence ids, for forked completions: the engine's counter, which also numbers its
+        # requests, so an id never names two sequences (not even across Engine.reset).
+        self.seq_ids = itertools.count() if seq_ids is None else seq_ids
         # Chapter 11 (minicb/speculative.py): proposes drafts for decoding requests and rolls
         # back the rejected ones. None: no speculation, every decode computes 1 token.
         self.speculator = speculator
-        if speculator is not None and 1 + speculator.k > max_num_batched_tokens:
-            raise ValueError(f"num_speculative_tokens={speculator.k}: a request verifying them computes "
-                             f"{1 + speculator.k} tokens in a step, more than max_num_batched_tokens="
-                             f"{max_num_batched_tokens}; lower it or raise the budget")
 
-    def new_request_id(self) -> int:
-        return next(self._ids)
+    def new_seq_id(self) -> int:
+        return next(self.seq_ids)
 
     # ---- requests in ------------------------------------------------------------
 
@@ -229,10 +258,10 @@ class Scheduler:
                 f"or give the engine more num_blocks", "max_tokens" if prompt_fits else "prompt",
                 "kv_cache_too_small")
 
-    def abort(self, request_id: int) -> Sequence | None:
+    def abort(self, seq_id: int) -> Sequence | None:
         """Finish a waiting or running request with reason "abort"; None if there is no such request."""
         for seq in list(self.waiting) + self.running:
-            if seq.request_id == request_id:
+            if seq.seq_id == seq_id:
                 self.finish(seq, "abort")
                 return seq
         return None
@@ -280,7 +309,7 @@ class Scheduler:
             if num_new == 0 or not self.grow(seq, seq.num_computed_tokens + num_new, out):
                 continue  # waits for budget, or was itself the newest and gave its blocks up
             if drafts:
-                out.draft_token_ids[seq.request_id] = drafts[:num_new - 1]
+                out.draft_token_ids[seq.seq_id] = drafts[:num_new - 1]
             self.put(seq, num_new, out)
             budget -= num_new
         return budget
@@ -306,7 +335,7 @@ class Scheduler:
             # only the rest costs budget. The plain allocator has no cache: 0.
             cached = self.allocator.num_cached_tokens(seq.token_ids)
             if cached >= seq.num_tokens:  # it would wait at the head of the queue forever
-                raise RuntimeError(f"the allocator reports {cached} of request {seq.request_id}'s {seq.num_tokens} "
+                raise RuntimeError(f"the allocator reports {cached} of request {seq.seq_id}'s {seq.num_tokens} "
                                    f"tokens cached; a lookup must leave at least the last token to compute, "
                                    f"since its logits pick the next token")
             num_new = self.tokens_to_compute(seq.num_tokens - cached, budget, out.is_empty)
@@ -317,24 +346,24 @@ class Scheduler:
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             # Blocks for every token (prompt, plus earlier outputs when recomputing).
-            cached = self.allocator.allocate_prefix(seq.request_id, seq.token_ids)
+            cached = self.allocator.allocate_prefix(seq.seq_id, seq.token_ids)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
             seq.status, seq.num_computed_tokens = RequestStatus.RUNNING, cached
             self.take_slot(seq)
-            out.admitted.append(seq.request_id)
+            out.admitted.append(seq.seq_id)
             self.put(seq, num_new, out)
             budget -= num_new
 
-    def postprocess(self, out: SchedulerOutput, sampled: list[list[int]], now: float) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, sampled: list[list[int]], now: float) -> StepResult:
         """Record the step: tokens computed, tokens sampled, completions forked, sequences finished.
 
         sampled[i] holds the tokens sampled for out.sequences[i]: none for a chunk
         of a longer prompt, one for a sequence that computed its last token, and n
         for a request with n > 1 completions whose prompt just finished (one per
-        completion, in completion order). Returns the finished sequences.
+        completion, in completion order). Returns what it did: a StepResult.
         """
-        finished = []
+        result = StepResult(forked=out.forked)
         for seq, tokens in zip(out.sequences, sampled):
             if seq.is_decoding:
                 seq.num_decode_steps += 1
@@ -346,23 +375,23 @@ class Scheduler:
                 num_accepted = len(tokens) - 1
                 seq.num_draft_tokens += len(drafts)
                 seq.num_accepted_tokens += num_accepted
+                result.num_draft_tokens += len(drafts)
+                result.num_accepted_tokens += num_accepted
                 self.speculator.rollback(self.allocator, seq, len(drafts) - num_accepted)
                 runs = [(seq, tokens)]
             else:  # one token, or one for each of n completions that fork now
                 runs = [(c, [t]) for c, t in zip([seq] + self.fork(seq, len(tokens) - 1, out), tokens)]
             for completion, run in runs:
                 for token in run:
-                    completion.output_token_ids.append(token)
-                    if completion.first_token_time is None:
-                        completion.first_token_time = now
+                    result.append(completion, token, now)
                     reason = finish_reason(token, len(completion.output_token_ids), completion.params,
                                            self.eos_token_ids, completion.num_tokens, self.max_model_len)
                     if reason:  # accepted drafts after a stop token are dropped with it
                         completion.finish_time = now
                         self.finish(completion, reason)
-                        finished.append(completion)
+                        result.finished.append(completion)
                         break
-        return finished
+        return result
 
     # ---- the helpers of one step ----------------------------------------------------------
 
@@ -376,15 +405,15 @@ class Scheduler:
         Returns False if `seq` itself was the newest and was preempted. Copy-on-write
         copies go to out.block_copies, preemptions to out.preempted.
         """
-        while self.allocator.num_tokens(seq.request_id) < num_tokens:
-            if not self.allocator.can_append(seq.request_id):
+        while self.allocator.num_tokens(seq.seq_id) < num_tokens:
+            if not self.allocator.can_append(seq.seq_id):
                 victim = self.running[-1]
                 self.preempt(victim)
-                out.preempted.append(victim.request_id)
+                out.preempted.append(victim.seq_id)
                 if victim is seq:
                     return False
                 continue
-            copy = self.allocator.append(seq.request_id)
+            copy = self.allocator.append(seq.seq_id)
             if copy is not None:
                 out.block_copies.append(copy)
         return True
@@ -392,12 +421,12 @@ class Scheduler:
     def put(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         """Schedule `num_new` tokens of `seq` in this step (a decode's drafts are already in out)."""
         (out.decodes if seq.is_decoding else out.prefills).append(seq)
-        out.num_scheduled[seq.request_id] = num_new
+        out.num_scheduled[seq.seq_id] = num_new
         # Chapter 07: the full blocks whose tokens are all computed by the end of this
         # step get their keys now, so a request admitted later in this same step
         # already shares them. That is safe: in the forward every layer writes the
         # step's K/V before any attention reads it. (The plain allocator keys nothing.)
-        self.allocator.cache_full_blocks(seq.request_id, seq.token_ids[:seq.num_computed_tokens + num_new])
+        self.allocator.cache_full_blocks(seq.seq_id, seq.token_ids[:seq.num_computed_tokens + num_new])
 
     def take_slot(self, seq: Sequence) -> None:
         """Put a sequence (admitted, or a forked completion) into the lowest free slot, running."""
@@ -419,12 +448,12 @@ class Scheduler:
             return []
         children = []
         for completion in range(1, count + 1):
-            child = type(parent)(self.new_request_id(), list(parent.prompt_token_ids), parent.params,
+            child = type(parent)(self.new_seq_id(), list(parent.prompt_token_ids), parent.params,
                                  arrival_time=parent.arrival_time, num_computed_tokens=parent.num_computed_tokens,
-                                 num_cached_tokens=parent.num_cached_tokens, parent_id=parent.request_id,
+                                 num_cached_tokens=parent.num_cached_tokens, request_id=parent.request_id,
                                  completion=completion, forked=True,
                                  generator=parent.sibling_generators[completion - 1])
-            self.allocator.fork(parent.request_id, child.request_id)
+            self.allocator.fork(parent.seq_id, child.seq_id)
             self.take_slot(child)
             out.forked.append(child)
             children.append(child)
@@ -436,7 +465,7 @@ class Scheduler:
     # The exercise's methods call preempt() and finish(); _release() is theirs alone.
     def _release(self, seq: Sequence) -> None:
         """Give a running sequence's blocks back to the allocator and empty its slot."""
-        self.allocator.free(seq.request_id)
+        self.allocator.free(seq.seq_id)
         self.running.remove(seq)
         self.slots[seq.slot] = None
         seq.slot = None
@@ -446,7 +475,9 @@ class Scheduler:
 
         Recompute, not swap: its blocks are freed and its slot emptied. Its
         outputs so far are kept, and on re-admission prompt + outputs are
-        prefilled in one go (num_computed_tokens goes back to 0). Counts the
+        computed again (num_computed_tokens goes back to 0, or to what the prefix
+        cache still holds), under the same rule as any prompt: whole in chapter
+        06, in chunks under chapter 08's. Counts the
         preemption in seq.num_preemptions. The caller records it in out.preempted.
         """
         self._release(seq)

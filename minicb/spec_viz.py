@@ -100,21 +100,21 @@ class StepSegment:
         return self.accepted + ([] if self.added is None else [self.added])
 
 
-def request_steps(traces: list[StepTrace], request_id: int) -> list[StepSegment]:
-    """One StepSegment per step in which `request_id` got tokens or verified drafts, in step order."""
+def request_steps(traces: list[StepTrace], seq_id: int) -> list[StepSegment]:
+    """One StepSegment per step in which `seq_id` got tokens or verified drafts, in step order."""
     segments = []
     for trace in traces:
-        appended = [token for rid, token in trace.new_tokens if rid == request_id]
-        spec = [entry for entry in trace.speculation if entry[0] == request_id]
+        appended = [token for rid, token in trace.new_tokens if rid == seq_id]
+        spec = [entry for entry in trace.speculation if entry[0] == seq_id]
         if spec:
             _, drafts, num_accepted, added = spec[0]
             if not 0 <= num_accepted <= len(drafts):
-                raise ValueError(f"step {trace.step}: request {request_id} accepted {num_accepted} "
+                raise ValueError(f"step {trace.step}: sequence {seq_id} accepted {num_accepted} "
                                  f"of {len(drafts)} drafts")
             segment = StepSegment(trace.step, "speculative", list(drafts), num_accepted, added)
             segment.kept = len(appended)
             if appended != segment.yielded[:len(appended)]:
-                raise ValueError(f"step {trace.step}: request {request_id} appended {appended}, which does not "
+                raise ValueError(f"step {trace.step}: sequence {seq_id} appended {appended}, which does not "
                                  f"start the verified tokens {segment.yielded}")
             segments.append(segment)
         elif appended:
@@ -178,7 +178,7 @@ def speculation_summary(segments: list[StepSegment]) -> dict:
             "tokens": sum(s.kept for s in segments)}
 
 
-def speculation_html(traces: list[StepTrace], tokenizer, request_id: int, *, upto: int | None = None,
+def speculation_html(traces: list[StepTrace], tokenizer, seq_id: int, *, upto: int | None = None,
                      current: int | None = None, legend: bool = True) -> str:
     """One request's answer as HTML, one box per step (see the module docstring for the colours).
 
@@ -186,13 +186,13 @@ def speculation_html(traces: list[StepTrace], tokenizer, request_id: int, *, upt
     (None shows token ids). upto: show only steps <= upto (the trace's step number);
     current: frame that step in black. Returns a self-contained HTML string (inline styles).
     """
-    segments = request_steps(traces, request_id)
+    segments = request_steps(traces, seq_id)
     if not segments:
-        raise ValueError(f"request {request_id} got no tokens in these {len(traces)} traces")
+        raise ValueError(f"sequence {seq_id} got no tokens in these {len(traces)} traces")
     shown = [s for s in segments if upto is None or s.step <= upto]
     numbers = speculation_summary(shown)
     rate = "" if numbers["acceptance_rate"] is None else f" ({numbers['acceptance_rate']:.0%})"
-    header = (f"<div style='font-family:sans-serif;font-size:0.9em'><b>request {request_id}</b>: "
+    header = (f"<div style='font-family:sans-serif;font-size:0.9em'><b>sequence {seq_id}</b>: "
               f"{numbers['tokens']} tokens in {numbers['steps']} steps; {numbers['drafts']} drafts proposed in "
               f"{numbers['verify_steps']} steps, {numbers['accepted']} accepted{rate}</div>")
     body = "".join(_step_html(s, tokenizer, s.step == current) for s in shown)
@@ -205,8 +205,8 @@ class SpeculationText:
     """The static picture as a notebook object: the last expression of a cell shows it,
     with or without a kernel (it is plain HTML in the saved output). `.html` is the string."""
 
-    def __init__(self, traces: list[StepTrace], tokenizer, request_id: int, **options):
-        self.html = speculation_html(traces, tokenizer, request_id, **options)
+    def __init__(self, traces: list[StepTrace], tokenizer, seq_id: int, **options):
+        self.html = speculation_html(traces, tokenizer, seq_id, **options)
 
     def _repr_html_(self) -> str:
         return self.html
@@ -230,19 +230,19 @@ class SpeculationPlayer:
     the steps that gave it tokens; the answer so far, the current step framed, and a line
     saying what that step proposed and kept.
 
-        player = SpeculationPlayer(llm.traces, llm.tokenizer, request_id=0)
+        player = SpeculationPlayer(llm.traces, llm.tokenizer, seq_id=0)
         player          # shows the widget; player.step = 5 moves it; player.state() reads it
 
     Saved without widget state, a notebook shows the whole answer as static HTML instead.
     """
 
-    def __init__(self, traces: list[StepTrace], tokenizer, request_id: int):
+    def __init__(self, traces: list[StepTrace], tokenizer, seq_id: int):
         import ipywidgets as widgets
 
-        self.traces, self.tokenizer, self.request_id = list(traces), tokenizer, request_id
-        self.segments = request_steps(self.traces, request_id)  # [steps the request took part in]
+        self.traces, self.tokenizer, self.seq_id = list(traces), tokenizer, seq_id
+        self.segments = request_steps(self.traces, seq_id)  # [steps the request took part in]
         if not self.segments:
-            raise ValueError(f"request {request_id} got no tokens in these {len(self.traces)} traces")
+            raise ValueError(f"sequence {seq_id} got no tokens in these {len(self.traces)} traces")
         last = len(self.segments) - 1
         self.play = widgets.Play(min=0, max=last, step=1, interval=500, description="play")
         self.slider = widgets.IntSlider(min=0, max=last, value=last, description="step #")
@@ -274,14 +274,14 @@ class SpeculationPlayer:
     def _show(self, index: int) -> None:
         segment = self.segments[index]
         self.caption.value = f"<code>{html.escape(describe_step(segment, self.tokenizer))}</code>"
-        self.text.value = speculation_html(self.traces, self.tokenizer, self.request_id,
+        self.text.value = speculation_html(self.traces, self.tokenizer, self.seq_id,
                                            upto=segment.step, current=segment.step)
 
     def _repr_mimebundle_(self, **kwargs):
         # The widget for a live kernel, plus the whole answer as HTML for every place without one.
         bundle = self.widget._repr_mimebundle_(**kwargs)
         data = bundle[0] if isinstance(bundle, tuple) else bundle
-        data["text/html"] = speculation_html(self.traces, self.tokenizer, self.request_id)
+        data["text/html"] = speculation_html(self.traces, self.tokenizer, self.seq_id)
         return bundle
 
 

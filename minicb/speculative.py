@@ -129,7 +129,7 @@ def rollback(allocator: BlockAllocator, seq: Sequence, num_rejected: int) -> Non
     nothing but rejected drafts go back to the pool. The K/V left in a kept block
     past the computed count is garbage that the next step overwrites.
     """
-    allocator.truncate(seq.request_id, seq.num_computed_tokens - num_rejected)  # raises first if that is wrong
+    allocator.truncate(seq.seq_id, seq.num_computed_tokens - num_rejected)  # raises first if that is wrong
     seq.num_computed_tokens -= num_rejected
 
 

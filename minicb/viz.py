@@ -72,15 +72,15 @@ _STRIP_LAYERS = (("decode", "decode (1 token a request)", (0.27, 0.47, 0.78)),
                  ("padding", "padding, wasted rows", _GREY))
 
 
-def request_symbol(request_id: int, prefill: bool = False) -> str:
-    letter = _SYMBOLS[request_id % len(_SYMBOLS)]
+def request_symbol(seq_id: int, prefill: bool = False) -> str:
+    letter = _SYMBOLS[seq_id % len(_SYMBOLS)]
     return letter if prefill else letter.lower()
 
 
-def request_color(request_id: int, prefill: bool = False) -> tuple[float, float, float]:
+def request_color(seq_id: int, prefill: bool = False) -> tuple[float, float, float]:
     """RGB in [0, 1]. Hues step by the golden angle, so neighbouring ids never look alike;
     the saturation keeps every colour away from the grey used for wasted rows."""
-    hue = (0.08 + request_id * 0.6180339887) % 1.0
+    hue = (0.08 + seq_id * 0.6180339887) % 1.0
     return colorsys.hsv_to_rgb(hue, 0.6, 0.6 if prefill else 0.92)
 
 
@@ -99,20 +99,20 @@ def _holder(trace: StepTrace, slot: int) -> int | None:
     """Who owns the slot's row in this step. A wasted row still belongs to its finished request."""
     if slot >= len(trace.slots) or trace.slots[slot].phase == "empty":
         return None
-    return trace.slots[slot].request_id
+    return trace.slots[slot].seq_id
 
 
-def _find_slot(traces: list[StepTrace], index: int, request_id: int) -> int | None:
+def _find_slot(traces: list[StepTrace], index: int, seq_id: int) -> int | None:
     # The slot the request holds at `index`, else the last slot it held before.
     for i in range(index, -1, -1):
         for slot in range(len(traces[i].slots)):
-            if _holder(traces[i], slot) == request_id:
+            if _holder(traces[i], slot) == seq_id:
                 return slot
     return None
 
 
 def step_events(traces: list[StepTrace]) -> list[tuple[int, int | None, str, int]]:
-    """Every event as (trace index, slot, kind, request_id), kind in MARKERS.
+    """Every event as (trace index, slot, kind, seq_id), kind in MARKERS.
 
     - "stop"/"length": the request finished in this step (marked in its slot);
     - "preempt": the request was sent back to waiting (marked in the slot it last held);
@@ -183,7 +183,7 @@ def token_split(traces: list[StepTrace]) -> list[dict[str, int]]:
         admitted, sampled = set(trace.admitted), {rid for rid, _ in trace.new_tokens}
         counts = {"decode": 0, "prefill": 0, "chunk": 0}
         for state in trace.slots:
-            rid = state.request_id
+            rid = state.seq_id
             if state.phase == "decode":
                 counts["decode"] += state.num_tokens
             elif state.phase == "prefill":
@@ -193,8 +193,8 @@ def token_split(traces: list[StepTrace]) -> list[dict[str, int]]:
         counts["padding"] = max(0, trace.num_tokens - counts["decode"] - counts["prefill"])
         split[i] = counts
         for state in trace.slots:
-            if state.request_id is not None and state.phase != "empty":
-                upcoming[state.request_id] = state.phase
+            if state.seq_id is not None and state.phase != "empty":
+                upcoming[state.seq_id] = state.phase
     return split
 
 
@@ -221,9 +221,9 @@ def _token_budget(traces: list[StepTrace], budget: int | None) -> int | None:
 # The line under each slot holds its events.
 
 def _cell_char(slot_state, color: bool) -> str:
-    if slot_state.phase == "empty" or slot_state.request_id is None:
+    if slot_state.phase == "empty" or slot_state.seq_id is None:
         return EMPTY_CHAR
-    rid = slot_state.request_id
+    rid = slot_state.seq_id
     if slot_state.phase == "wasted":
         return _ansi(WASTED_CHAR, _GREY) if color else WASTED_CHAR
     prefill = slot_state.phase == "prefill"
@@ -288,8 +288,8 @@ def timeline_text(traces: list[StepTrace], *, width: int | None = None, color: b
     # Legend: what the characters mean, then which symbol is which request.
     lines.append(f"UPPER prefill, lower decode, {WASTED_CHAR} wasted row, blank empty slot; "
                  + ", ".join(f"{MARKERS[k]} {_MARKER_MEANING[k]}" for k in MARKERS))
-    request_ids = sorted({s.request_id for t in traces for s in t.slots if s.request_id is not None})
-    legend = [f"{_cell_char(SlotState(rid, 'prefill'), color)}=r{rid}" for rid in request_ids]
+    seq_ids = sorted({s.seq_id for t in traces for s in t.slots if s.seq_id is not None})
+    legend = [f"{_cell_char(SlotState(rid, 'prefill'), color)}=r{rid}" for rid in seq_ids]
     lines.append("requests: " + " ".join(legend))
     return "\n".join(lines)
 
@@ -329,8 +329,8 @@ def _timeline_rgb(traces: list[StepTrace], num_slots: int, upto: int):
         for slot, state in enumerate(trace.slots):
             if state.phase == "wasted":
                 rgb[slot, i] = _GREY
-            elif state.phase in ("prefill", "decode") and state.request_id is not None:
-                rgb[slot, i] = request_color(state.request_id, prefill=state.phase == "prefill")
+            elif state.phase in ("prefill", "decode") and state.seq_id is not None:
+                rgb[slot, i] = request_color(state.seq_id, prefill=state.phase == "prefill")
     return rgb
 
 
@@ -375,7 +375,7 @@ def draw_timeline(ax, traces: list[StepTrace], *, title: str | None = None, curr
     if title:
         ax.set_title(title)
     if legend:
-        sample = next((s.request_id for t in traces for s in t.slots if s.request_id is not None), 0)
+        sample = next((s.seq_id for t in traces for s in t.slots if s.seq_id is not None), 0)
         handles = [Patch(facecolor=request_color(sample, prefill=True), label="prefill (darker)"),
                    Patch(facecolor=request_color(sample), label="decode"),
                    Patch(facecolor=_GREY, label="wasted row"),
@@ -660,7 +660,7 @@ class StepPlayer:
         trace = self.traces[index]
         return {
             "step": trace.step,
-            "slots": [s.request_id if s.phase != "empty" else None for s in trace.slots],
+            "slots": [s.seq_id if s.phase != "empty" else None for s in trace.slots],
             "phases": [s.phase for s in trace.slots],
             "waiting": list(trace.waiting),
             "running": list(trace.running),
@@ -717,17 +717,17 @@ class StepPlayer:
         trace = self.traces[self._index()]
         cached = state["cached_tokens"]
 
-        def chips(request_ids):
+        def chips(seq_ids):
             # "A r0": the letter the timeline and the block map draw, beside the request id;
             # "· 160 cached" after it when its (latest) admission found prompt tokens in the cache.
-            if not request_ids:
+            if not seq_ids:
                 return "<i>none</i>"
             return " ".join(
                 f"<span style='background:#{''.join(f'{round(c * 255):02x}' for c in request_color(rid))};"
                 f"padding:0 3px;border-radius:3px'>{request_symbol(rid, prefill=True)}&nbsp;r{rid}"
                 + (f"<span class='minicb-cached'>&nbsp;·&nbsp;{cached[rid]}&nbsp;cached</span>"
                    if cached.get(rid) else "") + "</span>"
-                for rid in request_ids)
+                for rid in seq_ids)
 
         rows = [("waiting", state["waiting"]), ("running", state["running"]),
                 ("finished", state["finished"]), ("admitted this step", trace.admitted),

@@ -25,7 +25,7 @@ the one rule `tokens_to_compute`, and the helpers `put`, `take_slot`, `fork`,
 """
 from minicb.block_allocator import BlockAllocator  # noqa: F401  # given
 from minicb.sampling import SamplingParams, finish_reason  # noqa: F401  # given
-from minicb.scheduler import RequestRejected, RequestStatus, SchedulerOutput, Sequence  # noqa: F401  # given
+from minicb.scheduler import RequestRejected, RequestStatus, SchedulerOutput, Sequence, StepResult  # noqa: F401  # given
 from minicb.scheduler import Scheduler as _GivenScheduler
 
 
@@ -38,7 +38,8 @@ class Scheduler(_GivenScheduler):
     self.max_num_batched_tokens, self.watermark_blocks, self.eos_token_ids,
     self.max_model_len.
 
-    A Sequence (one completion of a request) has: request_id, prompt_token_ids,
+    A Sequence (one completion of a request) has: seq_id (its own id: the key of its blocks and
+    slot; pass it to the allocator), request_id (its request's: add_request's id), prompt_token_ids,
     output_token_ids, params (its SamplingParams; params.n completions), status (a
     RequestStatus: WAITING, RUNNING or FINISHED), slot, num_computed_tokens (tokens
     whose K/V are in the cache), first_token_time, finish_time, num_preemptions,
@@ -47,10 +48,14 @@ class Scheduler(_GivenScheduler):
     computed: it computes 1 token a step) and siblings_to_come (params.n - 1 until
     its sibling completions are forked, then 0).
 
+    A StepResult (given) is what postprocess returns: new_tokens (a list of (Sequence, token),
+    in the order they were appended), finished (a list of Sequence), forked (= out.forked), and
+    its helper append(completion, token, now).
+
     A SchedulerOutput `out` collects one step: decodes and prefills (lists of
-    Sequence), num_scheduled (request_id -> tokens it computes this step), admitted
-    and preempted (lists of ids), block_copies, forked; out.sequences is decodes +
-    prefills, out.num_new_tokens(seq) is num_scheduled[seq.request_id], and
+    Sequence), num_scheduled (seq_id -> tokens it computes this step), admitted
+    and preempted (lists of seq_ids), block_copies, forked; out.sequences is decodes +
+    prefills, out.num_new_tokens(seq) is num_scheduled[seq.seq_id], and
     out.is_empty is True while nothing is scheduled in the step yet.
 
     Given helpers:
@@ -62,7 +67,7 @@ class Scheduler(_GivenScheduler):
       max_model_len); params.n over max_num_seqs; or prompt + max_tokens needing
       more blocks than the whole pool (the message says "the pool has only N
       blocks", N = allocator.num_blocks).
-    - self.abort(request_id): finish a waiting or running request with reason
+    - self.abort(seq_id): finish a waiting or running sequence with reason
       "abort" and return its Sequence; None when there is no such request.
     - SamplingParams(...) (minicb.sampling, chapter 01) checks its own fields:
       ValueError naming the field and its value, e.g. max_tokens=0, temperature=-1.0,
@@ -74,7 +79,7 @@ class Scheduler(_GivenScheduler):
       0 (it waits). Chapter 08 changes only this rule.
     - self.put(seq, num_new, out): schedule num_new tokens of seq in this step: it
       goes into out.decodes (seq.is_decoding) or out.prefills, and
-      out.num_scheduled[seq.request_id] = num_new. Returns None.
+      out.num_scheduled[seq.seq_id] = num_new. Returns None.
     - self.take_slot(seq): status RUNNING, the lowest free slot (seq.slot and
       self.slots), and seq appended to self.running. Returns None.
     - self.fork(parent, count, out) -> list[Sequence]: parallel sampling: count new
@@ -103,7 +108,7 @@ class Scheduler(_GivenScheduler):
           07's prefix cache; 0 with the plain allocator);
         - the pool has blocks for all its tokens: self.allocator.free_blocks_needed(seq.token_ids),
           plus self.watermark_blocks while any request runs, <= self.allocator.num_free_blocks.
-        Then pop it, cached = self.allocator.allocate_prefix(seq.request_id, seq.token_ids) (blocks
+        Then pop it, cached = self.allocator.allocate_prefix(seq.seq_id, seq.token_ids) (blocks
         for prompt + outputs: a preempted request recomputes both; returns the cached tokens), set
         seq.num_cached_tokens = cached on a first admission (seq.num_preemptions == 0),
         seq.num_computed_tokens = cached, self.take_slot(seq), append its id to out.admitted,
@@ -111,18 +116,21 @@ class Scheduler(_GivenScheduler):
         raise NotImplementedError(
             "Chapter 6, task 1: Scheduler.admit() — see chapters/06-continuous-batching/README.md#task-1")
 
-    def postprocess(self, out: SchedulerOutput, sampled: list[list[int]], now: float) -> list[Sequence]:
-        """Task 2: record the step. sampled[i] holds the tokens sampled for out.sequences[i]: [] for
-        a chunk of a longer prompt (chapter 08), [token] for a sequence that computed its last token,
-        and n tokens for a request with n > 1 completions whose prompt was just computed (one per
-        completion, in completion order). For each sequence, in that order:
+    def postprocess(self, out: SchedulerOutput, sampled: list[list[int]], now: float) -> StepResult:
+        """Task 2: record the step, and return what you did. sampled[i] holds the tokens sampled for
+        out.sequences[i]: [] for a chunk of a longer prompt (chapter 08), [token] for a sequence that
+        computed its last token, and n tokens for a request with n > 1 completions whose prompt was
+        just computed (one per completion, in completion order). Start with
+        result = StepResult(forked=out.forked); then for each sequence, in that order:
         - seq.num_computed_tokens += out.num_new_tokens(seq) (everything fed this step is cached);
         - no tokens: nothing more;
         - else its completions are [seq] + self.fork(seq, len(tokens) - 1, out), and each gets one
-          token: append it to output_token_ids, set first_token_time = now if it is None, and end it
-          if finish_reason(token, len(its outputs), its params, self.eos_token_ids, its num_tokens,
-          self.max_model_len) names a reason: finish_time = now, self.finish(completion, reason).
-        Return the finished sequences, in that order."""
+          token: result.append(completion, token, now) (it appends the token to output_token_ids,
+          stamps the time, sets first_token_time if it is None, and lists (completion, token) in
+          result.new_tokens), then end the completion if finish_reason(token, len(its outputs), its
+          params, self.eos_token_ids, its num_tokens, self.max_model_len) names a reason:
+          finish_time = now, self.finish(completion, reason), and append it to result.finished.
+        Return result: the engine builds its step's output from it, and from nothing else."""
         raise NotImplementedError(
             "Chapter 6, task 2: Scheduler.postprocess() — see chapters/06-continuous-batching/README.md#task-2")
 
@@ -140,9 +148,9 @@ class Scheduler(_GivenScheduler):
             "see chapters/06-continuous-batching/README.md#task-3")
 
     def grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Task 3: make seq's blocks hold num_tokens tokens. While self.allocator.num_tokens(seq.request_id)
-        < num_tokens: if self.allocator.can_append(seq.request_id), call self.allocator.append(
-        seq.request_id) (one more token slot; a (src, dst) copy-on-write pair it returns goes to
+        """Task 3: make seq's blocks hold num_tokens tokens. While self.allocator.num_tokens(seq.seq_id)
+        < num_tokens: if self.allocator.can_append(seq.seq_id), call self.allocator.append(
+        seq.seq_id) (one more token slot; a (src, dst) copy-on-write pair it returns goes to
         out.block_copies); if not, preempt the NEWEST running request (self.running[-1]) with
         self.preempt, record its id in out.preempted, and return False if it was seq itself.
         Return True once seq holds num_tokens."""

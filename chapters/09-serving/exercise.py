@@ -23,8 +23,9 @@ Given (from minicb/serve/events.py; you make and fill them, you do not write the
 - Applied: what apply_commands reports, Applied() empty to start: stop (bool),
   aborted (a list of (handle, completion) pairs) and failed (a dict handle ->
   list of Failed);
-and EngineLoop, which runs the engine thread. Every step, EngineLoop looks up
-these three functions with `impl.load("serve.loop")` and calls them in this order:
+and EngineLoop, which runs the engine thread. EngineLoop takes these three
+functions from the engine's parts when it is made (`engine.parts.serve_loop()`:
+this file under check 9) and calls them in this order, every step:
 
     commands = take_commands(inbox, wait=not engine.has_unfinished())
     applied = apply_commands(engine, owners, commands)     # then reports applied
@@ -80,7 +81,7 @@ def group_step(out: StepOutput, owners: Owners) -> dict[RequestHandle, list[Toke
 
     1. out.new_tokens, NewTokens t (t.request_id, t.completion, t.token):
        Token(t.completion, t.token) for the handle owners[t.request_id].
-    2. out.finished, Sequences: Finished(seq.completion, seq.finish_reason) for owners[seq.owner_id];
+    2. out.finished, Sequences: Finished(seq.completion, seq.finish_reason) for owners[seq.request_id];
        add seq.completion to handle.ended, and once all handle.params.n completions have ended,
        the request leaves `owners`.
     Requests not in `owners` are skipped; handles with no events are left out of the result.

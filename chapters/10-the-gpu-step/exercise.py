@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch  # noqa: F401  # you will need it
 
 from minicb.cuda_graphs import DecodeGraphs as _GivenDecodeGraphs
-# given: runner_mode(setting, device, kernels) -> "graphs", "eager" or None, how the engine runs
+# given: runner_mode(setting, device, attention) -> "graphs", "eager" or None, how the engine runs
 # decode-only steps for EngineConfig.cuda_graphs = setting (you do not call it)
 from minicb.cuda_graphs import runner_mode  # noqa: F401
 

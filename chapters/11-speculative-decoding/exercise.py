@@ -87,7 +87,7 @@ def rollback(allocator: BlockAllocator, seq: Sequence, num_rejected: int) -> Non
     past them (a block nobody else holds is free again; with prefix caching a keyed one becomes
     evictable), and returns None. It raises ValueError naming the count unless 0 <= num_tokens
     <= the slots held, and UnknownSequenceError for an unknown seq_id, before changing anything.
-    seq.request_id is the sequence's allocator id."""
+    seq.seq_id is the sequence's allocator id."""
     raise NotImplementedError(
         "Chapter 11, task 3: rollback() — see chapters/11-speculative-decoding/README.md#task-3")
 

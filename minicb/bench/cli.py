@@ -27,15 +27,15 @@ from minicb.bench.runners import (DEFAULT_ENGINES, ENGINES, check_minicb_agrees,
                                   minicb_batch_runner, run_hf_continuous, run_minicb_continuous,
                                   run_workload, serve_in_batches)
 from minicb.bench.workloads import WORKLOADS, Request, build_requests
-from minicb.cli_args import add_engine_args, add_model_args, engine_config
+from minicb.cli_args import add_engine_args, add_model_args, check_engine_args, engine_config
 from minicb.cpu_attention import set_num_threads
 from minicb.engine import EngineConfig
 from minicb.llm import LLM
 
-# The bench's own defaults for the engine flags. Every minicb engine keeps every step's trace: the
-# table's utilisation, busy slots and KV waste come from them. Two are one variant's setting:
+# The bench's own defaults for the engine flags. (The table's utilisation, busy slots and KV waste
+# come from LLM.traces, every step of a run.) Both are one variant's setting:
 # 256 tokens is minicb-chunked's budget, and 2 minicb-spec's n-gram (minicb_engine_configs).
-ENGINE_DEFAULTS = {"keep_traces": None, "max_num_batched_tokens": 256, "speculative_ngram": 2}
+ENGINE_DEFAULTS = {"max_num_batched_tokens": 256, "speculative_ngram": 2}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +88,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     if args.rate < 0:
         ap.error(f"--rate={args.rate}; it must be > 0 requests/s, or 0 for all at once")
-    for name in ("num_prompts", "max_tokens", "max_num_seqs", "hf_batch", "block_size", "threads", "rounds"):
+    check_engine_args(ap, args)  # EngineConfig's own rules, before anything loads
+    for name in ("num_prompts", "max_tokens", "hf_batch", "threads", "rounds"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")
     return args

@@ -134,8 +134,8 @@ def paged_kv_at_peak(traces, block_size: int) -> tuple[int, int]:
         for rid in trace.preempted:
             cached.pop(rid, None)
         for slot in trace.slots:
-            if slot.request_id is not None and slot.phase in ("prefill", "decode"):
-                cached[slot.request_id] = cached.get(slot.request_id, 0) + slot.num_tokens
+            if slot.seq_id is not None and slot.phase in ("prefill", "decode"):
+                cached[slot.seq_id] = cached.get(slot.seq_id, 0) + slot.num_tokens
         for rid, drafts, accepted, _ in trace.speculation:  # rejected drafts were rolled back (chapter 11)
             cached[rid] -= len(drafts) - accepted
         for rid, _ in trace.finished:

@@ -42,7 +42,7 @@ completion routes share, the whole JSON answer or the stream: a route only says
 how its objects look (`TextFormat`, `ChatFormat`). Then the routes, one function
 each on `router`, and create_app, which puts the pieces together.
 
-    app = create_app(llm, model_name="SmolLM2-135M-Instruct")   # llm: minicb.LLM, keep_traces=1
+    app = create_app(llm, model_name="SmolLM2-135M-Instruct")   # llm: a minicb.LLM
     uvicorn.run(app, host="127.0.0.1", port=8000)               # or `python -m minicb serve`
 """
 from __future__ import annotations
@@ -158,7 +158,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.scheduler.max_model_len
+        return self.engine.limits.max_model_len
 
     @property
     def decode(self):
@@ -178,7 +178,6 @@ async def lifespan(app: FastAPI):
     server: ServerState = app.state.server
     # The warm-up compiles kernels before the first request (it blocks startup, not a user).
     server.loop.start(asyncio.get_running_loop(), warm_up=True)
-    server.metrics.engine_state(server.engine)
     try:
         yield
     finally:
@@ -262,9 +261,7 @@ def request_params(server: ServerState, req: p._Sampling, prompt_ids: list[int],
         raise APIError(400, "stop strings must not be empty", "stop")
     engine = server.engine
     if max_tokens is None:  # as many as the context and the pool leave after the prompt
-        pool_tokens = engine.allocator.num_blocks * engine.allocator.block_size
-        # At least 1: a prompt that leaves no room is the engine's to refuse, naming the prompt.
-        max_tokens = max(1, min(server.max_model_len, pool_tokens) - len(prompt_ids))
+        max_tokens = engine.limits.default_max_tokens(len(prompt_ids))
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
                                 top_p=req.top_p, seed=req.seed, n=req.n, ignore_eos=req.ignore_eos,
@@ -440,9 +437,10 @@ async def health(server: Server):
     if loop.error is not None:
         raise APIError(503, loop.error, kind="server_error", code="engine_failed")
     # Steps that raised: their requests got a 500 (or an error event) and the engine was reset.
-    allocator = loop.engine.allocator
+    # The pool as the engine thread last published it: this thread never reads the engine.
+    stats = loop.snapshot
     return {"status": "ok", "step_failures": loop.num_step_failures, "last_step_failure": loop.last_step_failure,
-            "kv_blocks_free": allocator.num_free_blocks, "kv_blocks": allocator.num_blocks}
+            "kv_blocks_free": stats.num_free_blocks, "kv_blocks": stats.num_blocks}
 
 
 @router.get("/v1/models", response_model=p.ModelList)
@@ -495,10 +493,9 @@ async def dashboard():
 
 @router.get("/v1/dashboard/steps", responses=EVENT_STREAM)
 async def dashboard_steps(server: Server):
-    engine = server.engine
-    hello = {"model": server.model_name, "num_slots": engine.config.max_num_seqs,
-             "num_blocks": engine.allocator.num_blocks, "block_size": engine.allocator.block_size,
-             "max_waiting": server.loop.max_waiting}
+    limits = server.engine.limits
+    hello = {"model": server.model_name, "num_slots": limits.max_num_seqs, "num_blocks": limits.num_blocks,
+             "block_size": limits.block_size, "max_waiting": server.loop.max_waiting}
     return StreamingResponse(dashboard_events(server.loop, hello), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
@@ -509,7 +506,7 @@ async def dashboard_steps(server: Server):
 def create_app(llm, model_name: str, max_waiting: int = 256, max_body_bytes: int = MAX_BODY_BYTES,
                max_buffered_steps: int = MAX_BUFFERED_STEPS) -> FastAPI:
     """A FastAPI app serving `llm` as `model_name`: a minicb.LLM, or what minicb.llm.build returns
-    (the server's); either way its `.engine` (built with keep_traces=1, for the dashboard) and `.tokenizer`.
+    (the server's); either way its `.engine` and `.tokenizer`.
 
     The engine thread starts with the app (lifespan) and stops with it: whatever
     is still waiting or running then ends as an abort.

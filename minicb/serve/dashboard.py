@@ -3,9 +3,9 @@
 In this file you will learn how to watch an engine live without slowing it
 down. The pictures are chapter 06's (minicb/viz.py): a slot timeline (rows =
 slots, one column per step, a colour per request) and the KV block map. Both
-are drawn from StepTraces, and the engine already records one per step
-(EngineConfig.keep_traces=1 keeps just the last). So the feed only has to move
-traces from the engine thread to the browser:
+are drawn from StepTraces, which the engine builds for a step when asked: the
+engine loop asks while at least one page is open, and not otherwise. So the
+feed only has to move traces from the engine thread to the browser:
 
 - the engine loop hands each step's StepRecord to every open page's queue
   (EngineLoop.subscribe), on the event loop's thread; a page that falls far
@@ -43,7 +43,7 @@ def step_summary(record: StepRecord) -> dict:
     return {
         "step": t.step, "time": record.time, "step_s": t.time_s,
         # One entry per slot: [request id, "prefill" | "decode"], or null when empty.
-        "slots": [None if s.request_id is None or s.phase == "empty" else [s.request_id, s.phase] for s in t.slots],
+        "slots": [None if s.seq_id is None or s.phase == "empty" else [s.seq_id, s.phase] for s in t.slots],
         "admitted": t.admitted, "finished": [list(f) for f in t.finished], "preempted": t.preempted,
         "running": t.running, "waiting": t.waiting,
         "num_tokens": t.num_tokens, "new_tokens": len(t.new_tokens),

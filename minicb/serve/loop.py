@@ -42,8 +42,10 @@ Admission control: at most `max_waiting` requests may wait for their first
 token; beyond that `submit` raises QueueFull and the server answers 503 with
 Retry-After. The count lives on the event-loop thread only, so it needs no lock.
 
-The engine thread's work is three module-level functions, which EngineLoop
-gets through `impl.load("serve.loop")` every step (chapter 09's exercise):
+The engine thread's work is three module-level functions (chapter 09's
+exercise), which EngineLoop takes from the engine's parts once, when it is made
+(`engine.parts.serve_loop()`: this module, or a student's file under
+MINICB_IMPL=student; minicb/parts.py):
 `take_commands` drains the inbox, `apply_commands` adds and aborts requests in
 the engine, and `group_step` turns a StepOutput into each handle's events.
 Everything else here (threads, the hand-off, metrics) is given. The objects
@@ -61,8 +63,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from minicb import impl
-from minicb.engine import Engine, StepOutput
+from minicb.engine import Engine, EngineStats, StepOutput
 from minicb.sampling import SamplingParams
 # re-exported: the chapter's code and the server import them from here
 from minicb.serve.events import Applied, Command, Failed, Finished, Owners, RequestHandle, Token  # noqa: F401
@@ -151,7 +152,7 @@ def group_step(out: StepOutput, owners: Owners) -> dict[RequestHandle, list[Toke
 
     A Token(t.completion, t.token) for every t in out.new_tokens, then a
     Finished(seq.completion, seq.finish_reason) for every seq in out.finished;
-    t.request_id and seq.owner_id name the request, the key of `owners`. A
+    t.request_id and seq.request_id name the request, the key of `owners`. A
     finished completion goes into handle.ended; once all handle.params.n have
     ended (apply_commands adds the aborted ones), the request leaves `owners`.
     Requests not in `owners` (not the server's) are skipped. A handle the step
@@ -162,13 +163,13 @@ def group_step(out: StepOutput, owners: Owners) -> dict[RequestHandle, list[Toke
         if t.request_id in owners:
             batches.setdefault(owners[t.request_id], []).append(Token(t.completion, t.token))
     for seq in out.finished:
-        handle = owners.get(seq.owner_id)
+        handle = owners.get(seq.request_id)
         if handle is None:
             continue
         batches.setdefault(handle, []).append(Finished(seq.completion, seq.finish_reason))
         handle.ended.add(seq.completion)
         if len(handle.ended) == handle.params.n:  # not before: its other completions still make tokens
-            del owners[seq.owner_id]
+            del owners[seq.request_id]
     return batches
 
 
@@ -202,8 +203,11 @@ class EngineLoop:
         loop.stop()                               # aborts what is left, joins the thread
 
     metrics: a ServerMetrics (minicb/serve/metrics.py), told on the engine thread
-    what every step did, with the time to first token and the gaps between tokens
-    measured here, where the tokens leave the engine.
+    what every step did (the StepOutput alone), with the time to first token and
+    the gaps between tokens measured here, where the tokens leave the engine.
+    snapshot: the engine's EngineStats after its latest step (or aborts), published
+    by the engine thread for readers on other threads (/health): nobody else
+    touches the engine while it runs.
     max_buffered_steps: step lists a request's reader may fall behind before its
     request is aborted (rule 3 above; `_deliver`).
     """
@@ -212,20 +216,24 @@ class EngineLoop:
                  max_buffered_steps: int = MAX_BUFFERED_STEPS):
         if engine.traces.maxlen is None:
             raise ValueError("the engine keeps every step's trace (keep_traces=None), which a server running for "
-                             "days cannot afford; build it with keep_traces=1 (the dashboard needs the last one)")
+                             "days cannot afford; leave keep_traces at 0 (an open dashboard asks for each "
+                             "step's trace) or keep the last N")
         if max_buffered_steps < 1:
             raise ValueError(f"max_buffered_steps={max_buffered_steps}; it must be >= 1")
         self.max_buffered_steps = max_buffered_steps
         if max_waiting < 1:
             raise ValueError(f"max_waiting={max_waiting}; it must be >= 1")
         self.engine, self.max_waiting = engine, max_waiting
+        self.chapter = engine.parts.serve_loop()  # take_commands, apply_commands, group_step
         self.metrics = metrics
+        self.snapshot: EngineStats = engine.stats()  # replaced, never changed, by the engine thread
         self.inbox: queue.Queue[Command] = queue.Queue()  # Commands only: see minicb/serve/events.py
         self.num_queued = 0  # handles waiting for their first token (event-loop side)
         self.error: str | None = None  # set if the engine raised; the loop has stopped
         self.num_step_failures = 0  # steps that raised: their requests failed, the loop went on
         self.last_step_failure: str | None = None
         self.exception: BaseException | None = None  # what it raised (for tests and debugging)
+        self.warm_up_error: BaseException | None = None  # what the warm-up raised, if it did
         self.subscribers: set[asyncio.Queue] = set()  # dashboard feeds, one per open page
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -259,8 +267,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, args=(warm_up, ready), name="minicb-engine", daemon=True)
         self._thread.start()
         ready.wait()
-        if self.exception is not None:  # the warm-up failed: the thread has ended, and startup fails here
-            raise self.exception
+        # The warm-up failed: the thread has ended, and startup fails here. (A failure after it,
+        # in the loop, may already be in self.exception by now: the server reports that one.)
+        if self.warm_up_error is not None:
+            raise self.warm_up_error
 
     def _warm_up(self) -> None:
         self.engine.add_request([0, 0], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -379,6 +389,7 @@ class EngineLoop:
         self.abort(handle)
         if self.metrics is not None:
             self.metrics.too_slow_request()
+            self.metrics.engine_state(self.snapshot)
 
     def _fail_all(self, message: str) -> None:
         """Runs on the event loop after the engine failed: every request still waiting for events ends.
@@ -396,14 +407,13 @@ class EngineLoop:
             if warm_up:
                 self._warm_up()
         except Exception as e:
-            self.exception = e  # start() raises it
+            self.exception = self.warm_up_error = e  # start() raises it
             return
         finally:
             ready.set()
         try:
+            chapter = self.chapter
             while True:
-                # The chapter's three functions, looked up every step: a student's edited file is picked up.
-                chapter = impl.load("serve.loop")
                 # Idle: sleep until a command comes. Busy: take what came during the step.
                 commands = chapter.take_commands(self.inbox, wait=not self.engine.has_unfinished())
                 applied = chapter.apply_commands(self.engine, self._owners, commands)
@@ -412,13 +422,15 @@ class EngineLoop:
                     break
                 if self.engine.has_unfinished():
                     try:
-                        out = self.engine.step()
+                        # A trace only while a dashboard page is open: it is the page's picture.
+                        out = self.engine.step(trace=bool(self.subscribers))
                     except Exception as e:  # this step's requests fail; the server goes on
                         self._step_failed(e)
                         continue
+                    self._publish(out.stats)
                     self._dispatch(out, chapter.group_step(out, self._owners))
-                if self.metrics is not None:  # after an abort with nothing left to step, too
-                    self.metrics.engine_state(self.engine)
+                elif applied.aborted:  # the aborts emptied the engine: no step will say so
+                    self._publish(self.engine.stats())
         except Exception as e:  # outside a step (a command, the chapter's code): fail everything, serve no more
             self.exception = e
             self.error = f"the engine failed: {type(e).__name__}: {e}"
@@ -460,8 +472,13 @@ class EngineLoop:
         self._owners.clear()
         self._last_token = {key: t for key, t in self._last_token.items() if key[0] not in failed}
         self._send(failed, None)
+        self._publish(self.engine.stats())
+
+    def _publish(self, stats: EngineStats) -> None:
+        """The engine thread's word on the queues and the pool, for /health and the gauges."""
+        self.snapshot = stats
         if self.metrics is not None:
-            self.metrics.engine_state(self.engine)
+            self.metrics.engine_state(stats)
 
     def _report(self, applied: Applied) -> None:
         """Tell the refused requests, count the aborts, forget the aborted completions' token times."""
@@ -492,7 +509,7 @@ class EngineLoop:
             while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
                 self._rate.popleft()
         if self.metrics is not None:
-            self.metrics.step(self.engine, out, ttfts, itls)
+            self.metrics.step(out, ttfts, itls)
         record = None
         if out.trace is not None and self.subscribers:
             record = StepRecord(out.trace, time.time(), self.tokens_per_s())

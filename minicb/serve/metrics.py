@@ -71,13 +71,12 @@ class ServerMetrics:
 
     # ---- engine thread ----------------------------------------------------------------
 
-    def step(self, engine, out, ttfts: list[float], itls: list[float]) -> None:
-        """One step ran: count its tokens and finished sequences, observe the latencies."""
+    def step(self, out, ttfts: list[float], itls: list[float]) -> None:
+        """One step ran (its StepOutput): count its tokens and finished sequences, observe the latencies."""
         self.steps.inc()
         self.generation_tokens.inc(len(out.new_tokens))
-        if out.trace is not None and out.trace.speculation:  # the server keeps each step's trace
-            drafts = sum(len(drafts) for _, drafts, _, _ in out.trace.speculation)
-            accepted = sum(accepted for _, _, accepted, _ in out.trace.speculation)
+        if out.num_draft_tokens:  # speculative decoding verified drafts this step
+            drafts, accepted = out.num_draft_tokens, out.num_accepted_tokens
             self.draft_tokens.inc(drafts)
             self.accepted_tokens.inc(accepted)
             self.num_drafts, self.num_accepted = self.num_drafts + drafts, self.num_accepted + accepted
@@ -92,15 +91,14 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         self.completions.labels(reason).inc()
 
-    def engine_state(self, engine) -> None:
-        """The queues and the pool as they are now (after a step, or after aborts)."""
-        scheduler, allocator = engine.scheduler, engine.allocator
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_total.set(allocator.num_blocks)
+    def engine_state(self, stats) -> None:
+        """The queues and the pool as an EngineStats says (after a step, or after aborts)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_total.set(stats.num_blocks)
         # Prefix caching counts cached blocks as free (they can be handed out); "used" is what live sequences hold.
-        self.kv_used.set(allocator.num_blocks - allocator.num_free_blocks)
-        self.kv_cached.set(len(allocator.cached_free_blocks()))  # every allocator answers (0 without caching)
+        self.kv_used.set(stats.num_blocks - stats.num_free_blocks)
+        self.kv_cached.set(stats.num_cached_free_blocks)
 
     # ---- event loop ------------------------------------------------------------------
 

@@ -30,11 +30,9 @@ import sys
 import threading
 import time
 
-from minicb.cli_args import add_engine_args, add_model_args, engine_config
+from minicb.cli_args import add_engine_args, add_model_args, check_engine_args, engine_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded model's name in /v1/models
-# The dashboard draws the last step's trace, so the server keeps one (EngineConfig keeps none).
-ENGINE_DEFAULTS = {"keep_traces": 1}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU threads for torch and the compiled decode (default: every core); as for `python -m minicb bench`, 1 can be "
                          "much faster on a CPU shared with other jobs")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_args(ap, defaults=ENGINE_DEFAULTS)  # every EngineConfig field, e.g. --max-num-seqs, --no-cuda-graphs
+    add_engine_args(ap)  # every EngineConfig field, e.g. --max-num-seqs, --no-cuda-graphs
     return ap
 
 
@@ -69,7 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads={args.threads}; it must be >= 1")
-    for name in ("port", "max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting"):
+    check_engine_args(ap, args)  # EngineConfig's own rules, before anything loads
+    for name in ("port", "max_waiting"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:

@@ -7,7 +7,7 @@ tokenizer fits it exactly: token id = one UTF-8 byte. Its greedy answers are
 random bytes, often not valid UTF-8, which is just what the server's incremental
 decoding must survive (half characters, replacement characters). So the whole
 HTTP path, text and chat included, runs at milliseconds per step without
-SmolLM2: the server tests (tests/serve_support.py) use ByteTokenizer in their
+SmolLM2: the server tests (tests/serve/serve_support.py) use ByteTokenizer in their
 own process, and a soak test (tools/soak.py) runs `main` in a child process,
 whose memory, file descriptors and threads it can watch from outside.
 """
@@ -56,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         from minicb.cpu_attention import set_num_threads
         set_num_threads(args.threads)
-    # engine_config(args) names every field, keep_traces=1 among them (serve's default), so
-    # from_model's keep-every-trace default never applies: a long run keeps one trace, not all.
     llm = LLM.from_model(random_model(), ByteTokenizer(), **engine_config(args))
     name = args.served_model_name or TINY
     app = create_app(llm, name, max_waiting=args.max_waiting)

@@ -209,7 +209,7 @@ def test_traces_show_one_slot_per_row_and_the_wasted_rows(device):
     want = [["prefill"] * 3, ["wasted", "decode", "decode"], ["wasted", "decode", "wasted"],
             ["wasted", "decode", "wasted"]]
     assert phases == want, f"slot phases per step:\n  got  {phases}\n  want {want}"
-    ids = [[slot.request_id for slot in t.slots] for t in traces]
+    ids = [[slot.seq_id for slot in t.slots] for t in traces]
     assert ids == [[0, 1, 2]] * 4, f"slot k holds request k at every step, finished or not; got {ids}"
     tokens = [slot.num_tokens for slot in traces[0].slots]
     assert tokens == [2, 5, 3], f"a prefill slot computes its prompt (2, 5 and 3 tokens); got num_tokens {tokens}"
@@ -221,7 +221,7 @@ def test_traces_show_one_slot_per_row_and_the_wasted_rows(device):
 def test_a_short_last_batch_leaves_empty_slots(device):
     model = random_model(tiny_config(eos_token_ids=[])).to(device)
     result = static.run_static(model, PROMPTS[:5], SamplingParams(max_tokens=2), batch_size=3)
-    slots = [[(s.request_id, s.phase) for s in t.slots] for t in result.traces]
+    slots = [[(s.seq_id, s.phase) for s in t.slots] for t in result.traces]
     assert len(slots) == 4, f"two batches of 2 steps each; got {len(slots)} traces"
     for step, phase in ((2, "prefill"), (3, "decode")):
         want = [(3, phase), (4, phase), (None, "empty")]

@@ -27,7 +27,7 @@ def make(num_blocks=16, block_size=4, max_num_seqs=2, max_model_len=256, budget=
 
 
 def seq(rid, prompt_len, max_tokens=8, n=1):
-    """A request of `prompt_len` tokens. With n > 1, give it ids from s.new_request_id() (its
+    """A request of `prompt_len` tokens. With n > 1, give it ids from s.new_seq_id() (its
     forked completions take theirs from the same counter)."""
     q = sched().Sequence(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, n=n))
     q.sibling_generators = [None] * (n - 1)  # the engine's generators for completions 1 .. n - 1 (greedy: None)
@@ -35,7 +35,7 @@ def seq(rid, prompt_len, max_tokens=8, n=1):
 
 
 def ids(seqs) -> list[int]:
-    return [q.request_id for q in seqs]
+    return [q.seq_id for q in seqs]
 
 
 def sampled_for(out, token=7) -> list[list[int]]:
@@ -48,8 +48,8 @@ def sampled_for(out, token=7) -> list[list[int]]:
 
 def run_step(s, token=7):
     out = s.schedule()
-    finished = s.postprocess(out, sampled_for(out, token), now=0.0)
-    return out, finished
+    result = s.postprocess(out, sampled_for(out, token), now=0.0)
+    return out, result.finished
 
 
 def cutting(scheduler_class):
@@ -90,12 +90,12 @@ def test_finished_sequences_free_their_blocks_at_once():
     out, finished = run_step(s)
     assert ids(finished) == [0] and finished[0].finish_reason == "length", (
         f"request 0 (max_tokens=1) must finish with 'length' after its first token; finished "
-        f"{[(q.request_id, q.finish_reason) for q in finished]}")
+        f"{[(q.seq_id, q.finish_reason) for q in finished]}")
     assert s.allocator.num_free_blocks == 8, (f"a finished sequence must return every block at once: "
                                               f"{s.allocator.num_free_blocks} of 8 are free")
     s.add(seq(1, prompt_len=2, max_tokens=5))
     _, finished = run_step(s, token=EOS)
-    got = [(q.request_id, q.finish_reason, q.output_token_ids) for q in finished]
+    got = [(q.seq_id, q.finish_reason, q.output_token_ids) for q in finished]
     assert got == [(1, "stop", [EOS])], f"EOS must finish request 1 with 'stop', keeping the EOS token; got {got}"
 
 
@@ -113,9 +113,9 @@ def test_preempts_newest_and_requeues_it_first():
     assert out.preempted == [1], f"the newest request must be preempted, got {out.preempted}"
     assert ids(out.decodes) == [0], f"only request 0 still decodes after the preemption; decodes {ids(out.decodes)}"
     front = s.waiting[0] if s.waiting else None
-    assert front is not None and (front.request_id, front.num_computed_tokens) == (1, 0), (
+    assert front is not None and (front.seq_id, front.num_computed_tokens) == (1, 0), (
         f"the preempted request 1 must wait at the front of the queue with nothing computed; the queue is "
-        f"{[(q.request_id, q.num_computed_tokens) for q in s.waiting]} as (id, num_computed_tokens)")
+        f"{[(q.seq_id, q.num_computed_tokens) for q in s.waiting]} as (id, num_computed_tokens)")
     assert front.output_token_ids == [7, 7], (f"outputs so far are kept for the recompute: want [7, 7], "
                                               f"got {front.output_token_ids}")
 
@@ -137,7 +137,7 @@ def test_a_request_that_can_never_finish_is_rejected_up_front():
     for _ in range(6):
         out, done = run_step(s)
         finished, preempted = finished + done, preempted + out.preempted
-    assert [q.request_id for q in finished] == [3], f"finished {[q.request_id for q in finished]}, want [3]"
+    assert [q.seq_id for q in finished] == [3], f"finished {[q.seq_id for q in finished]}, want [3]"
     assert preempted == [] and s.allocator.num_free_blocks == 4, (
         f"alone, it must finish without preemption and free all 4 blocks; preempted {preempted}, "
         f"{s.allocator.num_free_blocks} blocks free")
@@ -202,7 +202,7 @@ def test_a_full_context_finishes_with_length():
     for _ in range(3):
         if s.has_unfinished():
             finished += run_step(s)[1]
-    got = [(q.request_id, q.finish_reason, len(q.output_token_ids)) for q in finished]
+    got = [(q.seq_id, q.finish_reason, len(q.output_token_ids)) for q in finished]
     assert got == [(0, "length", 2)], (f"a 4-token prompt in a 6-token context gets 2 tokens and ends with "
                                        f"'length' (max_tokens is 10); got (id, reason, tokens) {got}")
     assert s.allocator.num_free_blocks == 16, f"its blocks must be free: {s.allocator.num_free_blocks} of 16"
@@ -234,7 +234,7 @@ def test_every_admitted_request_has_its_tokens_in_num_scheduled():
         f"both prompts should be admitted as prefills; prefills {ids(out.prefills)}, admitted {out.admitted}")
     assert out.num_scheduled == {0: 3, 1: 5}, (f"num_scheduled must give every scheduled sequence its tokens "
                                                f"(self.put does it): want {{0: 3, 1: 5}}, got {out.num_scheduled}")
-    held = [(q.num_computed_tokens, s.allocator.num_tokens(q.request_id)) for q in out.prefills]
+    held = [(q.num_computed_tokens, s.allocator.num_tokens(q.seq_id)) for q in out.prefills]
     assert held == [(0, 3), (0, 5)], (f"admitted with nothing computed yet and blocks for every token: "
                                       f"(num_computed_tokens, tokens held) {held}, want [(0, 3), (0, 5)]")
 
@@ -258,7 +258,7 @@ def test_a_decode_waits_when_the_budget_is_spent():
     # A 2-token prompt with n = 3 on a budget of 2: its prompt fits, and it forks into
     # three completions. From then on three sequences decode, and only two tokens fit a step.
     s = make(max_num_seqs=4, budget=2)
-    s.add(seq(s.new_request_id(), prompt_len=2, max_tokens=3, n=3))
+    s.add(seq(s.new_seq_id(), prompt_len=2, max_tokens=3, n=3))
     out, _ = run_step(s)
     assert ids(s.running) == [0, 1, 2], f"step 1 computes the prompt and forks: running {ids(s.running)}"
     out = s.schedule()
@@ -266,14 +266,14 @@ def test_a_decode_waits_when_the_budget_is_spent():
         f"a budget of 2 tokens decodes the two oldest of three; decodes {ids(out.decodes)}, "
         f"num_scheduled {out.num_scheduled}")
     waiting = s.running[2]
-    assert (waiting.request_id, waiting.status, out.preempted) == (2, "running", []), (
+    assert (waiting.seq_id, waiting.status, out.preempted) == (2, "running", []), (
         "the third waits for budget in its slot: it is neither preempted nor requeued")
     assert s.allocator.num_tokens(2) == 2, (f"a sequence that waits this step gets no new token slot: it holds "
                                             f"{s.allocator.num_tokens(2)} tokens, want 2")
-    finished = s.postprocess(out, sampled_for(out), now=0.0)
+    finished = s.postprocess(out, sampled_for(out), now=0.0).finished
     for _ in range(3):
         finished += run_step(s)[1]
-    got = sorted((q.request_id, len(q.output_token_ids)) for q in finished)
+    got = sorted((q.seq_id, len(q.output_token_ids)) for q in finished)
     assert got == [(0, 3), (1, 3), (2, 3)], (f"nobody starves: once the oldest finish, the third decodes too; "
                                              f"finished (id, tokens) {got}")
 
@@ -301,7 +301,7 @@ def test_admission_keeps_slots_for_the_siblings_of_every_running_request():
     # slot; a third must wait, though only 2 sequences run yet.
     s = make(max_num_seqs=4)
     for n in (3, 1, 1):
-        s.add(seq(s.new_request_id(), prompt_len=3, max_tokens=2, n=n))
+        s.add(seq(s.new_seq_id(), prompt_len=3, max_tokens=2, n=n))
     out = s.schedule()
     assert out.admitted == [0, 1], (f"slots promised: 3 for request 0 (n = 3) + 1 for request 1 = 4, so request 2 "
                                     f"waits; admitted {out.admitted}")
@@ -311,7 +311,7 @@ def test_admission_keeps_slots_for_the_siblings_of_every_running_request():
     # a running request still computing its prompt holds its siblings' slots all that time.
     s = cutting(sched().Scheduler)(BlockAllocator(16, 4), 4, 256, [EOS], max_num_batched_tokens=5, watermark=0.0)
     for prompt_len, n in ((6, 2), (2, 2), (2, 1)):
-        s.add(seq(s.new_request_id(), prompt_len=prompt_len, max_tokens=3, n=n))
+        s.add(seq(s.new_seq_id(), prompt_len=prompt_len, max_tokens=3, n=n))
     admitted = []
     for _ in range(8):
         if s.has_unfinished():
@@ -329,14 +329,15 @@ def test_admission_keeps_slots_for_the_siblings_of_every_running_request():
 @pytest.mark.task(2)
 def test_postprocess_forks_the_completions_of_a_finished_prompt():
     s = make(max_num_seqs=4)
-    parent = seq(s.new_request_id(), prompt_len=6, max_tokens=4, n=3)
+    parent = seq(s.new_seq_id(), prompt_len=6, max_tokens=4, n=3)
     s.add(parent)
     out = s.schedule()
-    finished = s.postprocess(out, [[7, EOS, 9]], now=1.5)  # one token per completion, in completion order
-    got = [(q.completion, q.parent_id, q.output_token_ids) for q in out.forked]
+    result = s.postprocess(out, [[7, EOS, 9]], now=1.5)  # one token per completion, in completion order
+    finished = result.finished
+    got = [(q.completion, q.request_id, q.output_token_ids) for q in out.forked]
     assert got == [(1, 0, [EOS]), (2, 0, [9])], (
         f"postprocess must fork n - 1 = 2 completions (self.fork) and give each its own token: "
-        f"(completion, parent_id, outputs) {got}, want [(1, 0, [{EOS}]), (2, 0, [9])]")
+        f"(completion, request_id, outputs) {got}, want [(1, 0, [{EOS}]), (2, 0, [9])]")
     assert parent.output_token_ids == [7] and parent.siblings_to_come == 0, (
         f"the parent keeps the first token and has forked: outputs {parent.output_token_ids}, "
         f"siblings to come {parent.siblings_to_come}")
@@ -345,6 +346,11 @@ def test_postprocess_forks_the_completions_of_a_finished_prompt():
         f"{[(q.completion, q.finish_reason) for q in finished]}")
     times = [q.first_token_time for q in [parent] + out.forked]
     assert times == [1.5] * 3, f"every completion's first token came at now=1.5: {times}"
+    # What postprocess returns is all the engine learns of the step: every token appended, in order.
+    told = [(q.completion, token) for q, token in result.new_tokens]
+    assert told == [(0, 7), (1, EOS), (2, 9)] and result.forked == out.forked, (
+        f"the StepResult must list each appended token as (completion, token), the parent's first, then each "
+        f"forked completion's (use result.append); got {told}, forked {[q.completion for q in result.forked]}")
     assert [q.num_computed_tokens for q in [parent] + out.forked] == [6] * 3, "all share the computed prompt"
     assert [q.completion for q in s.running] == [0, 2], (
         f"running afterwards: the parent and completion 2 (completion 1 finished); got "
@@ -358,10 +364,12 @@ def test_postprocess_of_a_chunk_samples_nothing():
     computed = []
     for _ in range(3):
         out = s.schedule()
-        finished = s.postprocess(out, sampled_for(out), now=0.0)
+        result = s.postprocess(out, sampled_for(out), now=0.0)
         q = out.prefills[0]
         computed.append((q.num_computed_tokens, list(q.output_token_ids)))
     assert computed == [(4, []), (8, []), (10, [7])], (
         f"a 10-token prompt in chunks of 4, 4 and 2: each chunk counts as computed, and only the last one "
         f"gets a token; (num_computed_tokens, outputs) per step {computed}")
-    assert finished == [] and out.prefills[0].first_token_time == 0.0, "its first token came with the last chunk"
+    assert result.finished == [] and out.prefills[0].first_token_time == 0.0, "its first token came with the last chunk"
+    assert [(q.seq_id, token) for q, token in result.new_tokens] == [(0, 7)], (
+        f"only the last chunk's token is appended and reported: {result.new_tokens}")

@@ -161,7 +161,7 @@ def test_n_4_completions_copy_on_write_and_all_equal_greedy(tiny, monkeypatch):
     # completions share, so 3 of each 4 copy it on their first write; the 8-token
     # prompt fills its last block, and a full block is never written again.
     assert len(copies) == 6, f"want 3 + 3 copy-on-write copies (partial last blocks), got {len(copies)}: {copies}"
-    assert llm.engine.allocator.num_free_blocks == 64 and not llm.engine.requests, "everything must be freed"
+    assert llm.engine.allocator.num_free_blocks == 64 and not llm.engine.sequences, "everything must be freed"
 
 
 @pytest.mark.slow

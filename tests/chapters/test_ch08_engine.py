@@ -111,7 +111,7 @@ def test_a_request_preempted_mid_prefill_comes_back_with_the_same_tokens(tiny, c
     preempt = engine.scheduler.preempt
 
     def spy(seq):
-        preempted.append((seq.request_id, not seq.is_decoding, seq.num_computed_tokens))
+        preempted.append((seq.seq_id, not seq.is_decoding, seq.num_computed_tokens))
         preempt(seq)
 
     engine.scheduler.preempt = spy
@@ -196,16 +196,16 @@ def test_a_long_prompt_is_cut_while_the_others_keep_decoding(tiny):
     long_id = llm.engine.add_request(list(range(10, 70)), SamplingParams(max_tokens=4))  # 60 tokens
     traces = []
     while True:
-        step = llm.engine.step()
+        step = llm.engine.step(trace=True)
         traces.append(step.trace)
         if any(new.request_id == long_id for new in step.new_tokens):
             break  # its first token: the prompt is done
-    prefill_steps = [t for t in traces if any(s.request_id == long_id and s.phase == "prefill" for s in t.slots)]
+    prefill_steps = [t for t in traces if any(s.seq_id == long_id and s.phase == "prefill" for s in t.slots)]
     # 8 tokens a step, 3 of them for the decodes: the 60-token prompt takes 12 chunks of 5.
-    chunks = [next(s.num_tokens for s in t.slots if s.request_id == long_id) for t in prefill_steps]
+    chunks = [next(s.num_tokens for s in t.slots if s.seq_id == long_id) for t in prefill_steps]
     assert chunks == [5] * 12, f"chunks of the long prompt per step: {chunks}, want 12 chunks of 5"
     for t in prefill_steps:
-        phases = {s.request_id: s.phase for s in t.slots}
+        phases = {s.seq_id: s.phase for s in t.slots}
         assert all(phases.get(rid) == "decode" for rid in short), (
             f"step {t.step}: the running requests must decode while the long prompt is cut: {phases}")
         assert t.num_tokens == 8, f"step {t.step} computed {t.num_tokens} tokens; the budget is 8"
@@ -253,14 +253,13 @@ def test_a_new_prompt_is_cut_to_what_the_decodes_leave(tiny):
     engine, decoding = llm.engine, SamplingParams(max_tokens=30, ignore_eos=True)
     for i in range(3):
         engine.add_request([5 + i, 6, 7], decoding)
-    engine.step()  # admits the three 3-token prompts: 9 tokens > 8, so the third gets a chunk of 2
-    first = {s.request_id: s.num_tokens for s in engine.traces[-1].slots if s.phase == "prefill"}
+    trace = engine.step(trace=True).trace  # admits the three 3-token prompts: 9 tokens > 8, so the third gets 2
+    first = {s.seq_id: s.num_tokens for s in trace.slots if s.phase == "prefill"}
     assert first == {0: 3, 1: 3, 2: 2}, f"first step, budget 8: chunks {first}, want {{0: 3, 1: 3, 2: 2}}"
     engine.step()  # 0 and 1 decode, 2 finishes its prompt: 3 tokens
     new = engine.add_request(list(range(20, 40)), SamplingParams(max_tokens=3))
-    engine.step()  # 3 decodes, then the new 20-token prompt gets the 5 tokens left
-    trace = engine.traces[-1]
-    got = {s.request_id: (s.phase, s.num_tokens) for s in trace.slots if s.request_id is not None}
+    trace = engine.step(trace=True).trace  # 3 decodes, then the new 20-token prompt gets the 5 tokens left
+    got = {s.seq_id: (s.phase, s.num_tokens) for s in trace.slots if s.seq_id is not None}
     assert got.get(new) == ("prefill", 5) and trace.admitted == [new], (
         f"3 decodes leave 5 of 8 tokens: the new prompt's first chunk should be 5; step: {got}")
     llm_small = LLM.from_model(tiny, block_size=4, max_num_seqs=5, enable_chunked_prefill=True,
@@ -269,9 +268,8 @@ def test_a_new_prompt_is_cut_to_what_the_decodes_leave(tiny):
         llm_small.engine.add_request([5 + i], decoding)
     llm_small.engine.step()
     llm_small.engine.add_request([9, 9, 9], decoding)
-    llm_small.engine.step()  # the 3 decodes spend the whole budget: nobody is admitted
-    assert llm_small.engine.traces[-1].admitted == [], (
-        f"with no budget left, admission must wait: admitted {llm_small.engine.traces[-1].admitted}")
+    trace = llm_small.engine.step(trace=True).trace  # the 3 decodes spend the whole budget: nobody is admitted
+    assert trace.admitted == [], f"with no budget left, admission must wait: admitted {trace.admitted}"
 
 
 @pytest.mark.task(1)

@@ -54,12 +54,11 @@ def handle(prompt=(5, 6, 7), params=None, arrival=None) -> RequestHandle:
 def finished(request_id: int, completion: int, reason: str) -> Sequence:
     """Completion `completion` of the request add_request called `request_id`, finished, as the engine hands it out.
 
-    Completions 1 .. n - 1 are sequences of their own, with internal ids of their own:
-    only seq.owner_id and seq.completion name them to the caller.
+    Completions 1 .. n - 1 are sequences of their own, with seq_ids of their own:
+    only seq.request_id and seq.completion name them to the caller.
     """
     own_id = request_id if completion == 0 else 1000 * request_id + completion
-    seq = Sequence(own_id, [1, 2], SamplingParams(max_tokens=2), completion=completion,
-                   parent_id=None if completion == 0 else request_id)
+    seq = Sequence(own_id, [1, 2], SamplingParams(max_tokens=2), completion=completion, request_id=request_id)
     seq.finish_reason = reason
     return seq
 
@@ -75,7 +74,7 @@ def n_of(n: int, max_tokens: int = 4) -> SamplingParams:
 
 def live_completions(engine, h) -> list[int]:
     """The completions of h's request that the engine still has (waiting or running)."""
-    return sorted(s.completion for s in engine.requests.values() if s.owner_id == h.request_id)
+    return sorted(s.completion for s in engine.sequences.values() if s.request_id == h.request_id)
 
 
 def engine_for(model, **config):
@@ -255,8 +254,8 @@ def test_add_registers_completion_0_and_a_refused_add_fails_only_its_handle(tiny
     rids = [good.request_id, other.request_id]
     assert None not in rids, f"request_id must be set on every accepted handle: {rids}"
     assert owners == {rids[0]: good, rids[1]: other}, f"owners: {show(owners)}"
-    assert engine.requests[rids[0]].arrival_time == 123.5, "pass the handle's arrival time to add_request"
-    assert engine.requests[rids[1]].prompt_token_ids == [8, 9]
+    assert engine.sequences[rids[0]].arrival_time == 123.5, "pass the handle's arrival time to add_request"
+    assert engine.sequences[rids[1]].prompt_token_ids == [8, 9]
     assert list(applied.failed) == [bad] and len(applied.failed[bad]) == 1, f"failed: {applied.failed}"
     with pytest.raises(ValueError) as refused:
         engine.check_request(bad.prompt_token_ids, bad.params)
@@ -279,7 +278,7 @@ def test_an_abort_frees_the_blocks_before_the_next_step(tiny):
     applied = loop_module.apply_commands(engine, owners, [("abort", a, None)])
     assert applied.aborted == [(a, 0)], f"aborted: {show_aborted(applied)}, want [(handle {a.id}, 0)]"
     rid = a.request_id
-    assert rid not in owners and rid not in engine.requests, "the aborted request must leave owners and the engine"
+    assert rid not in owners and rid not in engine.sequences, "the aborted request must leave owners and the engine"
     assert engine.scheduler.running and all(s.request_id != rid for s in engine.scheduler.running)
     still = total - engine.allocator.num_free_blocks
     assert still < used, f"{used} blocks were used before the abort and {still} after: a's blocks must be free now"
@@ -301,7 +300,7 @@ def test_a_submit_then_its_abort_in_one_batch_and_aborts_of_finished_requests_ar
                                             f"completion the engine had")
     assert owners == {quick.request_id: quick}, (f"an abort of the whole request (completion None) leaves nothing "
                                                  f"of it to come, so it leaves owners; owners: {show(owners)}")
-    assert len(engine.requests) == 1, f"the engine still holds {len(engine.requests)} sequences, want 1 (quick)"
+    assert len(engine.sequences) == 1, f"the engine still holds {len(engine.sequences)} sequences, want 1 (quick)"
     while engine.has_unfinished():
         loop_module.group_step(engine.step(), owners)
     assert owners == {}, "quick finished (max_tokens 1)"

@@ -98,13 +98,13 @@ def test_padding_rows_write_only_the_scratch_block(backend, device):
     assert calls == [3], "the decode-only step should have gone through the runner"
     # Each sequence's token of this step is now its last computed one.
     real = {divmod(slot, 4) for seq in seqs for slot in engine.allocator.slot_mapping(
-        seq.request_id, seq.num_computed_tokens - 1, seq.num_computed_tokens)}
+        seq.seq_id, seq.num_computed_tokens - 1, seq.num_computed_tokens)}
     changed = changed_slots(before, engine.pool.k_caches + engine.pool.v_caches)
     scratch = {(runner.scratch_block, 0)}
     assert real <= changed, f"the real tokens' slots {sorted(real - changed)} were not written"
     assert changed - real == scratch, (f"the step wrote outside its own slots and the scratch slot: "
                                        f"{sorted(changed - real - scratch)} (block, offset)")
-    assert all(runner.scratch_block not in engine.allocator.block_table(s.request_id) for s in seqs)
+    assert all(runner.scratch_block not in engine.allocator.block_table(s.seq_id) for s in seqs)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -51,19 +51,19 @@ def no_state_behind(engine: Engine) -> None:
     for seq in engine.scheduler.running:
         if not seq.is_decoding:
             continue
-        held = allocator.num_tokens(seq.request_id)
-        table = allocator.block_table(seq.request_id)
+        held = allocator.num_tokens(seq.seq_id)
+        table = allocator.block_table(seq.seq_id)
         assert held == seq.num_computed_tokens, (
-            f"request {seq.request_id} holds {held} KV slots after the step but has {seq.num_computed_tokens} "
+            f"sequence {seq.seq_id} holds {held} KV slots after the step but has {seq.num_computed_tokens} "
             f"computed tokens: rejected drafts' slots were kept")
         assert len(table) == allocator.blocks_needed(held), (
-            f"request {seq.request_id} holds {len(table)} blocks for {held} tokens of block size {size}")
+            f"sequence {seq.seq_id} holds {len(table)} blocks for {held} tokens of block size {size}")
         if engine.config.enable_prefix_caching:
             keys = block_keys(seq.token_ids[:seq.num_computed_tokens], size)
             for i, block in enumerate(table):
                 key = allocator.block_key(block)
                 assert key is None or (i < len(keys) and key == keys[i]), (
-                    f"request {seq.request_id}'s block {i} has a key that is not the key of its own tokens")
+                    f"sequence {seq.seq_id}'s block {i} has a key that is not the key of its own tokens")
 
 
 @pytest.mark.task(3)
@@ -92,7 +92,7 @@ def test_a_request_that_runs_out_of_blocks_while_verifying_is_preempted_and_stil
 @pytest.mark.task("all")
 def test_traces_and_metrics_count_the_same_drafts():
     got, engine = run(PROMPTS, speculative_ngram=2, num_speculative_tokens=4, keep_traces=None)
-    by_request = {s.request_id: [0, 0] for s in got}
+    by_request = {s.seq_id: [0, 0] for s in got}
     for trace in engine.traces:
         new = {}
         for rid, token in trace.new_tokens:
@@ -106,11 +106,11 @@ def test_traces_and_metrics_count_the_same_drafts():
                 f"step {trace.step}, request {rid}: drafts {drafts}, {accepted} accepted, then {added}; "
                 f"but the step's new tokens were {new[rid]}")
     for seq in got:
-        assert by_request[seq.request_id] == [seq.num_draft_tokens, seq.num_accepted_tokens], (
-            f"request {seq.request_id}: the traces count {by_request[seq.request_id]} (drafts, accepted), "
+        assert by_request[seq.seq_id] == [seq.num_draft_tokens, seq.num_accepted_tokens], (
+            f"sequence {seq.seq_id}: the traces count {by_request[seq.seq_id]} (drafts, accepted), "
             f"the sequence {[seq.num_draft_tokens, seq.num_accepted_tokens]}")
         assert seq.num_decode_steps + seq.num_accepted_tokens == len(seq.output_token_ids) - 1, (
-            f"request {seq.request_id}: {seq.num_decode_steps} decode steps and {seq.num_accepted_tokens} accepted "
+            f"sequence {seq.seq_id}: {seq.num_decode_steps} decode steps and {seq.num_accepted_tokens} accepted "
             f"drafts must make its {len(seq.output_token_ids) - 1} tokens after the first")
     assert sum(s.num_draft_tokens for s in got) > 0, "no drafts were proposed"
 

@@ -45,7 +45,7 @@ def serve(model, params: list[SamplingParams], **config) -> dict:
             finished[index_of[seq.request_id]] = seq
         for seq in engine.scheduler.running:
             if seq.is_decoding:
-                slots = engine.allocator.num_tokens(seq.request_id)
+                slots = engine.allocator.num_tokens(seq.seq_id)
                 assert slots == seq.num_computed_tokens, (
                     f"after step {engine.num_steps - 1}, request {index_of[seq.request_id]} has "
                     f"{seq.num_computed_tokens} computed tokens but holds {slots} token slots: the slots of "

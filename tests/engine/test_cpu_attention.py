@@ -67,15 +67,14 @@ def test_the_engine_gives_the_same_tokens_with_either_decode(monkeypatch):
                         lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
     runs = {}
     for decode in ("compiled", "gather"):
-        monkeypatch.setenv("MINICB_CPU_DECODE", decode)
         before = len(calls)
-        llm = LLM.from_model(model, max_num_seqs=3, block_size=4, num_blocks=40)
+        llm = LLM.from_model(model, max_num_seqs=3, block_size=4, num_blocks=40, cpu_decode=decode)
         runs[decode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         used = len(calls) - before
         if decode == "compiled":
             assert used > 0, "on a CPU in fp32 the engine should decode with the compiled kernel; it never did"
         else:
-            assert used == 0, f"MINICB_CPU_DECODE=gather must switch the kernel off; it ran {used} times"
+            assert used == 0, f"cpu_decode='gather' must switch the kernel off; it ran {used} times"
     assert runs["compiled"] == runs["gather"], f"tokens differ: {runs}"
 
 

@@ -40,18 +40,20 @@ def backend(request, device):
 
 
 def test_when_the_engine_has_a_runner():
+    from minicb.attention_backends import StudentAttention, TorchAttention, TritonAttention
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
-    student = types.SimpleNamespace(__name__="exercise")  # a student's module: graphs would not be safe
-    assert [runner_mode(setting, cpu, triton_attention) for setting in (None, True, False)] == [None, "eager", None]
-    assert [runner_mode(setting, cuda, triton_attention) for setting in (None, True, False)] == \
-        ["graphs", "graphs", None]
-    assert runner_mode(None, cuda, paged_attention) is None  # chapter 04's gather has a data-dependent width
-    assert runner_mode(None, cuda, student) is None
-    for kernels in (paged_attention, student):
+    triton = TritonAttention(triton_attention)  # capturable: chapter 05's reference kernels
+    gather = TorchAttention(paged_attention)  # chapter 04's gather has a data-dependent width
+    student = StudentAttention(types.SimpleNamespace(__name__="exercise"))  # checks on the host: graphs unsafe
+    assert [runner_mode(setting, cpu, triton) for setting in (None, True, False)] == [None, "eager", None]
+    assert [runner_mode(setting, cuda, triton) for setting in (None, True, False)] == ["graphs", "graphs", None]
+    assert runner_mode(None, cuda, gather) is None and runner_mode(None, cuda, student) is None
+    for backend in (gather, student):
         with pytest.raises(ValueError, match="attention='triton'"):
-            runner_mode(True, cuda, kernels)
+            runner_mode(True, cuda, backend)
     with pytest.raises(ValueError, match="cuda_graphs='yes'"):
-        runner_mode("yes", cpu, triton_attention)
+        EngineConfig(cuda_graphs="yes")  # the setting itself is EngineConfig's to check
 
 
 def test_the_default_engine_on_a_cpu_is_unchanged():
@@ -99,13 +101,13 @@ def decoding_engine(attention: str, device="cpu", prompt_lens=(3, 9, 14), max_nu
 def decode_batch(engine, seqs) -> StepBatch:
     """The StepBatch of a decode-only step of seqs (each computes its newest token), built by hand.
     Their newest tokens' slots must be allocated: seqs come from a schedule() that has not been run yet."""
-    out = SchedulerOutput(decodes=list(seqs), num_scheduled={seq.request_id: 1 for seq in seqs})
+    out = SchedulerOutput(decodes=list(seqs), num_scheduled={seq.seq_id: 1 for seq in seqs})
     return prepare(out, engine.allocator)
 
 
 def eager_logits(engine, batch: StepBatch) -> torch.Tensor:
     """The oracle: the eager runner's forward over the engine's pool (no buffers, no padding) -> [S, V]."""
-    return ModelRunner(engine.model, engine.pool, engine.kernels).forward(batch)
+    return ModelRunner(engine.model, engine.pool, engine.attention).forward(batch)
 
 
 def changed_slots(before, after) -> set[tuple[int, int]]:
@@ -231,7 +233,7 @@ def test_the_forward_a_graph_captures_reads_nothing_on_the_host():
     runner, out = engine.runner, engine.scheduler.schedule()
     seqs = out.decodes
     runner.decode(prepare(out, engine.allocator))  # fill the buffers as a real step does
-    meta = runner.metadata(4, [engine.allocator.block_table(s.request_id) for s in seqs] + [[runner.scratch_block]],
+    meta = runner.metadata(4, [engine.allocator.block_table(s.seq_id) for s in seqs] + [[runner.scratch_block]],
                            [s.num_computed_tokens + 1 for s in seqs] + [1], runner.scratch_slot)
     reads = count_host_reads(lambda: runner.run_bucket(4, meta))
     assert reads == [], f"{len(reads)} host reads in the runner's forward:\n" + "\n".join(reads)

@@ -46,13 +46,13 @@ def parse_demo(argv):
 
 # command -> (parse, the defaults it documents in place of EngineConfig's)
 COMMANDS = {
-    # The dashboard draws the last step's trace.
-    "serve": (parse_serve, {"keep_traces": 1}),
-    # Every step's trace (the table's numbers come from them); minicb-chunked's budget, minicb-spec's n-gram.
-    "bench": (parse_bench, {"keep_traces": None, "max_num_batched_tokens": 256, "speculative_ngram": 2}),
+    # keep_traces has one default everywhere (0): pictures ask a step for its trace (LLM, an open dashboard).
+    "serve": (parse_serve, {}),
+    # minicb-chunked's budget, minicb-spec's n-gram.
+    "bench": (parse_bench, {"max_num_batched_tokens": 256, "speculative_ngram": 2}),
     "generate": (parse_generate, {}),
-    # 8 slots keep `make demo` short; its timelines need every step's trace.
-    "demo": (parse_demo, {"max_num_seqs": 8, "keep_traces": None}),
+    # 8 slots keep `make demo` short.
+    "demo": (parse_demo, {"max_num_seqs": 8}),
 }
 
 
@@ -142,7 +142,7 @@ def test_the_bench_variants_each_turn_on_their_own_feature():
     configs = minicb_engine_configs(parse_bench(["--slots", "3", "--attention", "triton"]), num_blocks=99)
     plain = configs["minicb-continuous"]
     # The plain engine: the flags, the pool it was given, and no chunking budget or n-gram of the variants'.
-    assert plain == {**DEFAULTS, "max_num_seqs": 3, "attention": "triton", "num_blocks": 99, "keep_traces": None}, plain
+    assert plain == {**DEFAULTS, "max_num_seqs": 3, "attention": "triton", "num_blocks": 99}, plain
     differences = {name: {k: v for k, v in config.items() if plain[k] != v} for name, config in configs.items()}
     assert differences == {
         "minicb-continuous": {},
@@ -170,7 +170,23 @@ def test_llm_refuses_an_unknown_setting_naming_it_and_the_allowed_ones():
         LLM("no/such/model.gguf", enable_caching=True)
     llm = LLM.from_model(random_model(), max_num_seqs=3, enable_prefix_caching=True)
     assert (llm.engine.config.max_num_seqs, llm.engine.config.enable_prefix_caching) == (3, True)
-    assert llm.engine.config.keep_traces is None, "LLM keeps every step's trace unless told otherwise"
+    assert llm.engine.config.keep_traces == 0, "keep_traces has one default, EngineConfig's (LLM asks each step)"
+
+
+@pytest.mark.parametrize("command", ["serve", "bench", "demo"])
+def test_every_command_refuses_settings_by_engineconfigs_rules_before_loading(command, capsys):
+    """One place for the rules: each command asks EngineConfig.validate, and names the flag."""
+    parse = {"serve": lambda argv: __import__("minicb.serve.server", fromlist=["parse_args"]).parse_args(argv),
+             "bench": lambda argv: __import__("minicb.bench.cli", fromlist=["parse_args"]).parse_args(argv),
+             "demo": lambda argv: __import__("minicb.__main__", fromlist=["main"]).main(["demo", *argv])}[command]
+    for argv, said in ((["--max-num-seqs", "0"], "max_num_seqs=0"), (["--watermark", "1.5"], "watermark=1.5"),
+                       (["--speculative-ngram", "2", "--num-speculative-tokens", "8",
+                         "--max-num-batched-tokens", "4"], "num_speculative_tokens=8")):
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2, f"{command} {argv}: exit code {e.value.code}"
+        err = capsys.readouterr().err
+        assert said in err, f"{command} {argv} must say {said!r}: {err[-300:]}"
 
 
 def test_serve_help_lists_every_flag_without_loading_torch():

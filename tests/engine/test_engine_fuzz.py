@@ -12,6 +12,7 @@ Hypothesis draws a configuration and a workload:
 - prefix caching on or off; chunked prefill on or off, with budgets from 1;
 - chapter 10's decode runner on or off (on a CPU it runs eagerly, padding
   decode steps to its buckets through its static buffers);
+- the CPU decode compiled (Numba) or chapter 04's gather (two attention backends);
 - chapter 11's speculative decoding on or off, n-gram 1 to 3, 1 to 4 drafts;
 - requests with fresh, shared-prefix, repeated and self-repeating prompts
   (where prompt lookup finds drafts), n from 1 to 3, greedy or seeded
@@ -33,6 +34,8 @@ at the end every block is free and the engine holds nothing.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, note, seed, settings
 from hypothesis import strategies as st
@@ -45,8 +48,10 @@ from minicb.sampling import SamplingParams
 
 VOCAB = 256  # the tiny model's
 MODEL = random_model(seed=3)
-EXAMPLES = 200
-SEED = seed(20261201)  # the same workloads on every run (see the test below)
+# The same workloads on every run (see the test below). A deeper one-off run:
+# MINICB_FUZZ_EXAMPLES=400 MINICB_FUZZ_SEED=7 pytest tests/engine/test_engine_fuzz.py
+EXAMPLES = int(os.environ.get("MINICB_FUZZ_EXAMPLES", 200))
+SEED = seed(int(os.environ.get("MINICB_FUZZ_SEED", 20261201)))
 
 
 @st.composite
@@ -86,7 +91,8 @@ def workloads(draw):
                   # Small budgets cut prompts into many chunks: most of what chunking can get wrong.
                   max_num_batched_tokens=draw(st.sampled_from([1, 2, 3]) | st.integers(1, 12) | st.integers(1, 64)
                                               if chunked else st.sampled_from([8, 64, 4096])),
-                  cuda_graphs=draw(st.booleans()) or None, watermark=draw(st.sampled_from([0.0, 0.01, 0.2])))
+                  cuda_graphs=draw(st.booleans()) or None, watermark=draw(st.sampled_from([0.0, 0.01, 0.2])),
+                  cpu_decode=draw(st.sampled_from(["compiled", "gather"])))
     # Speculation needs room for its newest token and at least one draft in the budget.
     if draw(st.integers(0, 2)) and config["max_num_batched_tokens"] >= 2:  # on in 2 of 3
         config["speculative_ngram"] = draw(st.integers(1, 3))
@@ -128,7 +134,7 @@ def serve(config: dict, requests: list, aborts: bool = True):
         for t in out.new_tokens:
             streamed.setdefault((index_of[t.request_id], t.completion), []).append(t.token)
         for seq in out.finished:
-            key = (index_of[seq.owner_id], seq.completion)
+            key = (index_of[seq.request_id], seq.completion)
             assert key not in results, f"request {key[0]} completion {key[1]} finished twice"
             assert streamed.get(key) == seq.output_token_ids, (
                 f"request {key[0]} completion {key[1]}: streamed {streamed.get(key)}, final {seq.output_token_ids}")
@@ -137,8 +143,8 @@ def serve(config: dict, requests: list, aborts: bool = True):
         assert step < 3000, f"no progress: {len(results)} completions finished after {step} steps"
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks, (
         f"{engine.allocator.num_free_blocks} of {engine.allocator.num_blocks} blocks are free after the run")
-    assert not engine.requests and not engine.scheduler.running and not any(engine.scheduler.slots), (
-        f"the engine still holds {sorted(engine.requests)}")
+    assert not engine.sequences and not engine.scheduler.running and not any(engine.scheduler.slots), (
+        f"the engine still holds {sorted(engine.sequences)}")
     return results, aborted
 
 
@@ -147,20 +153,20 @@ def check_blocks(engine: Engine) -> None:
     real tokens, and (with caching) each of its blocks with a key has the key of its own tokens there."""
     allocator, size = engine.allocator, engine.config.block_size
     for seq in engine.scheduler.running:
-        held = allocator.num_tokens(seq.request_id)
+        held = allocator.num_tokens(seq.seq_id)
         # Admission holds slots for every token at once (prompt, and outputs when re-admitted), and
         # a rollback leaves slots for the computed tokens only: never a slot past the real tokens.
         assert seq.num_computed_tokens <= held <= seq.num_tokens, (
-            f"request {seq.request_id} holds {held} token slots; with {seq.num_computed_tokens} of {seq.num_tokens} "
+            f"sequence {seq.seq_id} holds {held} token slots; with {seq.num_computed_tokens} of {seq.num_tokens} "
             f"tokens computed it must hold {seq.num_computed_tokens}..{seq.num_tokens}")
-        assert len(allocator.block_table(seq.request_id)) == allocator.blocks_needed(held), (
-            f"request {seq.request_id} holds {len(allocator.block_table(seq.request_id))} blocks for {held} tokens")
+        assert len(allocator.block_table(seq.seq_id)) == allocator.blocks_needed(held), (
+            f"sequence {seq.seq_id} holds {len(allocator.block_table(seq.seq_id))} blocks for {held} tokens")
         if engine.config.enable_prefix_caching:
             keys = block_keys(seq.token_ids[:seq.num_computed_tokens], size)
-            for i, block in enumerate(allocator.block_table(seq.request_id)):
+            for i, block in enumerate(allocator.block_table(seq.seq_id)):
                 key = allocator.block_key(block)
                 assert key is None or (i < len(keys) and key == keys[i]), (
-                    f"request {seq.request_id}'s block {i} (physical {block}) has a key that is not its tokens' "
+                    f"sequence {seq.seq_id}'s block {i} (physical {block}) has a key that is not its tokens' "
                     f"(it has {len(keys)} full computed blocks)")
 
 
@@ -208,7 +214,7 @@ def test_the_fuzzer_reaches_every_feature():
     # The strategy must actually draw what the docstring promises, or the test above
     # proves less than it says. Draw 300 workloads with the same seed and count.
     seen = {"caching": 0, "chunked": 0, "budget 1": 0, "runner": 0, "speculation": 0, "n > 1": 0, "seeded": 0,
-            "abort": 0, "repeat": 0, "tight pool": 0}
+            "abort": 0, "repeat": 0, "tight pool": 0, "gather decode": 0}
     examples = []
 
     @SEED
@@ -224,6 +230,7 @@ def test_the_fuzzer_reaches_every_feature():
         seen["chunked"] += config["enable_chunked_prefill"]
         seen["budget 1"] += config["enable_chunked_prefill"] and config["max_num_batched_tokens"] == 1
         seen["runner"] += config["cuda_graphs"] is True
+        seen["gather decode"] += config["cpu_decode"] == "gather"
         seen["speculation"] += "speculative_ngram" in config
         seen["n > 1"] += any(p.n > 1 for _, _, p, _ in requests)
         seen["seeded"] += any(p.seed is not None for _, _, p, _ in requests)

@@ -27,10 +27,10 @@ def held_by_engine(engine: Engine) -> dict:
     """Everything the engine, its scheduler and its allocator still hold, by where."""
     scheduler, allocator = engine.scheduler, engine.allocator
     return {
-        "engine.requests": sorted(engine.requests),
-        "scheduler.waiting": [s.request_id for s in scheduler.waiting],
-        "scheduler.running": [s.request_id for s in scheduler.running],
-        "scheduler.slots": [s.request_id for s in scheduler.slots if s is not None],
+        "engine.sequences": sorted(engine.sequences),
+        "scheduler.waiting": [s.seq_id for s in scheduler.waiting],
+        "scheduler.running": [s.seq_id for s in scheduler.running],
+        "scheduler.slots": [s.seq_id for s in scheduler.slots if s is not None],
         "allocator block owners": sorted({o for o in allocator.block_owners() if o is not None}),
     }
 
@@ -60,14 +60,14 @@ def test_2000_requests_leave_nothing_behind(tiny):
         prompt = [rng.randrange(3, tiny.config.vocab_size) for _ in range(rng.randint(1, 12))]
         rid = engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 16)))
         added_ids.add(rid)
-        alive.append(weakref.ref(engine.requests[rid]))
+        alive.append(weakref.ref(engine.sequences[rid]))
         if rng.random() < 0.1:  # abort a random live request: waiting or running
-            victim = rng.choice(sorted(engine.requests))
+            victim = rng.choice(sorted({s.request_id for s in engine.sequences.values()}))
             (aborted,) = engine.abort(victim)
             assert aborted.finish_reason == "abort" and aborted.status == RequestStatus.FINISHED
             aborted_ids.add(victim)
             del aborted
-        if rng.random() < 0.5 or len(engine.requests) > 40:
+        if rng.random() < 0.5 or len(engine.sequences) > 40:
             step()
     while engine.has_unfinished():
         step()
@@ -110,16 +110,28 @@ def test_step_reports_each_scheduled_token_and_each_finish_once(tiny):
 
 def test_keep_traces(tiny):
     prompts, params = [[5, 6, 7], [8, 9]], SamplingParams(max_tokens=6)
-    every = LLM.from_model(tiny, num_blocks=32, block_size=4)  # LLM keeps every step by default
+    every = LLM.from_model(tiny, num_blocks=32, block_size=4)  # LLM traces every step of a call, for its pictures
     every.generate(prompts, params, use_tqdm=False)
-    num_steps = len(every.traces)
-    assert num_steps == 6, f"2 prompts of 6 tokens in 2 slots take 6 steps, got {num_steps} traces"
-    last = LLM.from_model(tiny, num_blocks=32, block_size=4, keep_traces=2)
-    last.generate(prompts, params, use_tqdm=False)
-    assert [t.step for t in last.traces] == [4, 5], f"keep_traces=2 keeps the last 2 steps: {last.traces}"
-    none = LLM.from_model(tiny, num_blocks=32, block_size=4, keep_traces=0)
-    outs = none.generate(prompts, params, use_tqdm=False)
-    assert none.traces == [] and [len(o.token_ids) for o in outs] == [6, 6]
+    assert [t.step for t in every.traces] == list(range(6)), (
+        f"2 prompts of 6 tokens in 2 slots take 6 steps, got traces of steps {[t.step for t in every.traces]}")
+    assert not every.engine.traces, "the engine itself keeps none (keep_traces=0, the one default)"
+
+    def run(engine: Engine, trace: bool) -> list:
+        for p in prompts:
+            engine.add_request(p, params)
+        outs = []
+        while engine.has_unfinished():
+            outs.append(engine.step(trace=trace))
+        return outs
+
+    last = Engine(tiny, EngineConfig(num_blocks=32, block_size=4, keep_traces=2))
+    outs = run(last, trace=False)
+    assert [t.step for t in last.traces] == [4, 5], f"keep_traces=2 keeps the last 2 steps: {list(last.traces)}"
+    assert all(o.trace is not None for o in outs), "a kept trace is also the step's output"
+    asked = Engine(tiny, EngineConfig(num_blocks=32, block_size=4))
+    outs = run(asked, trace=True)
+    assert [o.trace.step for o in outs] == list(range(6)) and not asked.traces, \
+        "step(trace=True) builds the step's trace for the caller, and keep_traces=0 keeps none"
     for bad in (-1, 2.5, "all"):
         with pytest.raises(ValueError, match="keep_traces"):
             Engine(tiny, EngineConfig(keep_traces=bad))
@@ -176,4 +188,4 @@ def test_a_lookup_that_leaves_nothing_to_compute_is_an_error_not_a_hang():
     scheduler.add(Sequence(0, [5, 6, 7], SamplingParams(max_tokens=2)))
     with pytest.raises(RuntimeError, match="3 of request 0's 3 tokens cached"):
         scheduler.schedule()
-    assert [seq.request_id for seq in scheduler.waiting] == [0] and scheduler.allocator.num_free_blocks == 8
+    assert [seq.seq_id for seq in scheduler.waiting] == [0] and scheduler.allocator.num_free_blocks == 8

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from minicb import paged_attention, triton_attention
+from minicb.attention_backends import TorchAttention, TritonAttention
 from minicb.cuda_graphs import DecodeGraphs
 from minicb.engine import Engine, EngineConfig
 from minicb.model import ModelConfig, random_model, tiny_config
@@ -95,8 +96,9 @@ def test_triton_equals_torch_on_a_mixed_step_in_bf16(device):
                                                                                        (12, 12), (21, 6)]
     ids, pos, meta, pool = paged_step(model, seqs, 3, block_size, num_blocks=64, kv_seed=0)
     logits = {}
-    for name, kernels in (("torch", paged_attention), ("triton", triton_attention)):
-        attention = PagedAttention(pool.k_caches, pool.v_caches, meta, kernels)
+    backends = {"torch": TorchAttention(paged_attention), "triton": TritonAttention(triton_attention)}
+    for name, backend in backends.items():
+        attention = PagedAttention(pool.k_caches, pool.v_caches, meta, backend)
         logits[name] = model(ids, pos, attention, logits_at=meta.last_token_index()).float()
     scale = logits["torch"].abs().max().item()
     diff = (logits["triton"] - logits["torch"]).abs().max().item()

@@ -11,7 +11,7 @@ torch function and Tensor method called while it is active.
 
 On a CPU the torch backend's decodes go to a compiled CPU kernel
 (minicb/cpu_attention.py), which reads the pool through numpy views; the torch
-test switches it off with MINICB_CPU_DECODE=gather, since a GPU never runs it.
+test runs chapter 04's gather instead (TorchAttention), since a GPU never runs it.
 
 Under the Triton interpreter the kernel programs themselves run on the host
 with numpy, reading memory through raw pointers the mode never sees; that is
@@ -100,9 +100,16 @@ STEPS = {
 
 
 def forward_reads(step: str, attention: str) -> list[str]:
-    """Host reads during one model forward, with the inputs built the way prepare() builds them (model_runner.py)."""
+    """Host reads during one model forward, with the inputs built the way prepare() builds them (model_runner.py).
+    attention: "torch" (chapter 04's gather), "triton" (chapter 05's, chapter 04's prefill as under the
+    interpreter) or "triton-tile" (the query-tile prefill)."""
+    from minicb import tile_attention
+    from minicb.attention_backends import TorchAttention, TritonAttention, TritonTileAttention
+
     model = random_model(seed=0)
-    kernels = {"torch": paged_attention, "triton": triton_attention}[attention]
+    kernels = {"torch": TorchAttention(paged_attention),
+               "triton": TritonAttention(triton_attention, TorchAttention(paged_attention)),
+               "triton-tile": TritonTileAttention(triton_attention, tile_attention)}[attention]
     seqs, num_decodes = STEPS[step]
     ids, pos, meta, pool = paged_step(model, seqs, num_decodes)
     attention_object = PagedAttention(pool.k_caches, pool.v_caches, meta, kernels)
@@ -116,7 +123,6 @@ def test_torch_forward_reads_nothing_on_the_host(step, monkeypatch):
     # minicb/cpu_attention.py, which hands Numba the tensors' memory (.numpy(): no
     # copy, and on a CPU nothing waits). A GPU never takes that path, so this test
     # checks the one a GPU does take: chapter 04's gather.
-    monkeypatch.setenv("MINICB_CPU_DECODE", "gather")
     reads = forward_reads(step, "torch")
     assert reads == [], f"{len(reads)} host reads in a {step} forward:\n" + "\n".join(reads)
 
@@ -134,6 +140,5 @@ def test_triton_tile_prefill_forward_reads_nothing_on_the_host(step, monkeypatch
     # interpreter only when asked, since chapter 04's prefill is quicker there.
     if not triton_attention.INTERPRETED:
         pytest.skip("the kernels are compiled for CUDA; this test builds CPU tensors")
-    monkeypatch.setenv("MINICB_TILE_PREFILL", "1")
-    reads = forward_reads(step, "triton")
+    reads = forward_reads(step, "triton-tile")
     assert reads == [], f"{len(reads)} host reads in a Triton {step} forward, tile prefill:\n" + "\n".join(reads)

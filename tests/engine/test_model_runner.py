@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from minicb import paged_attention
+from minicb.attention_backends import TorchAttention
 from minicb.block_allocator import BlockAllocator
 from minicb.model import DenseAttention, random_model
 from minicb.model_runner import ModelRunner, StepBatch, prepare
@@ -37,8 +38,8 @@ class TableAllocator:
         return [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
 
 
-def sequence(request_id: int, tokens: list[int], num_outputs: int, num_computed: int) -> Sequence:
-    seq = Sequence(request_id, tokens[:len(tokens) - num_outputs], SamplingParams(max_tokens=8))
+def sequence(seq_id: int, tokens: list[int], num_outputs: int, num_computed: int) -> Sequence:
+    seq = Sequence(seq_id, tokens[:len(tokens) - num_outputs], SamplingParams(max_tokens=8))
     seq.output_token_ids = tokens[len(tokens) - num_outputs:]
     seq.num_computed_tokens = num_computed
     return seq
@@ -119,7 +120,7 @@ def check_rows(model, out: SchedulerOutput, logits: torch.Tensor, step: str) -> 
         end = seq.num_computed_tokens + out.num_new_tokens(seq)
         diff = (logits[row] - dense_last_logits(model, seq.token_ids[:end])).abs().max().item()
         if diff > 1e-4:
-            problems.append(f"row {row} (request {seq.request_id}, tokens up to {end}): max |diff| {diff:.2e}")
+            problems.append(f"row {row} (sequence {seq.seq_id}, tokens up to {end}): max |diff| {diff:.2e}")
     assert not problems, f"{step}: the runner's logits differ from the dense forward's:\n  " + "\n  ".join(problems)
 
 
@@ -128,7 +129,7 @@ def test_the_eager_runner_equals_the_dense_forward_with_chunks_and_copy_on_write
     cfg, block_size = model.config, 4
     allocator = BlockAllocator(num_blocks=32, block_size=block_size)
     pool = KVPool(cfg.num_layers, 32, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
-    runner = ModelRunner(model, pool, paged_attention)  # chapter 04's reference kernels
+    runner = ModelRunner(model, pool, TorchAttention(paged_attention))  # chapter 04's reference kernels
     prompts = {0: 6, 1: 9, 2: 11, 3: 6}  # request 2 comes in two chunks; request 3 is forked after its prompt
     seqs = {rid: sequence(rid, [(13 * rid + 7 * t) % 250 + 3 for t in range(n)], 0, 0) for rid, n in prompts.items()}
 

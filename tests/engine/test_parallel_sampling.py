@@ -55,7 +55,7 @@ def test_greedy_completions_equal_chapter01_through_copy_on_write_and_preemption
             assert c.token_ids == want, f"prompt {o.index}, completion {c.index}: {first_difference(c.token_ids, want)}"
         assert o.token_ids == o.outputs[0].token_ids
     assert copies, "the completions share a partly filled last block, so their first writes must copy it"
-    assert llm.engine.allocator.num_free_blocks == 14 and not llm.engine.requests, "everything must be freed"
+    assert llm.engine.allocator.num_free_blocks == 14 and not llm.engine.sequences, "everything must be freed"
 
 
 def test_stream_carries_each_completions_tokens(tiny):

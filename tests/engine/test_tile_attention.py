@@ -249,9 +249,9 @@ def test_block_offsets_past_int32(device):
 
 # ----------------------------------------------------------------------------
 # In the model: the Triton backend's prefill. Compiled, it is the tile kernel by
-# default; under the interpreter MINICB_TILE_PREFILL=1 asks for it.
+# default; under the interpreter EngineConfig(tile_prefill=True) asks for it.
 
-def mixed_step_logits(kernels, seed=0):
+def mixed_step_logits(backend, seed=0):
     """Logits of every new token of one mixed step (2 decodes, a chunk after 9 cached tokens, a prompt)
     of a small random model, over a pool whose cached slots hold random K/V."""
     from minicb.model import random_model
@@ -260,7 +260,7 @@ def mixed_step_logits(kernels, seed=0):
     model = random_model(seed=seed)
     # (context length, new tokens): 2 decodes, a chunk after 9 cached tokens, a prompt
     ids, pos, meta, pool = paged_step(model, [(5, 1), (13, 1), (13, 4), (7, 7)], 2, kv_seed=seed)
-    attention = PagedAttention(pool.k_caches, pool.v_caches, meta, kernels)
+    attention = PagedAttention(pool.k_caches, pool.v_caches, meta, backend)
     every_token = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
         return model(ids, pos, attention, logits_at=every_token)
@@ -268,34 +268,51 @@ def mixed_step_logits(kernels, seed=0):
 
 def test_model_step_with_tile_prefill_matches_torch_backend(monkeypatch):
     from minicb import paged_attention, triton_attention
+    from minicb.attention_backends import TorchAttention, TritonTileAttention
     if not triton_attention.INTERPRETED:
         pytest.skip("the kernels are compiled for CUDA; this test builds CPU tensors")
-    monkeypatch.setenv("MINICB_TILE_PREFILL", "1")
     calls = []
     launch = tile_attention.paged_attention_tiles_unchecked
     monkeypatch.setattr(tile_attention, "paged_attention_tiles_unchecked",
                         lambda *args, **kwargs: calls.append(1) or launch(*args, **kwargs))
-    got = mixed_step_logits(triton_attention)
+    got = mixed_step_logits(TritonTileAttention(triton_attention, tile_attention))
     assert len(calls) == 2, f"the tile kernel ran {len(calls)} times; once per layer (2) expected"
-    monkeypatch.setenv("MINICB_CPU_DECODE", "gather")  # chapter 04 as written, not the compiled CPU decode
-    expected = mixed_step_logits(paged_attention)
+    expected = mixed_step_logits(TorchAttention(paged_attention))  # chapter 04 as written
     diff = (got - expected).abs().max().item()
     assert diff < 1e-4, f"logits with the tile prefill differ from the torch backend's by {diff:.3g}"
 
 
-def test_which_prefill_the_triton_backend_runs(monkeypatch):
+def test_which_backend_the_parts_choose(monkeypatch):
+    """EngineParts.attention picks a backend from EngineConfig alone: no module names, no environment."""
     from types import SimpleNamespace
 
-    from minicb.paged_model import use_tile_prefill
-    reference = SimpleNamespace(__name__="minicb.triton_attention", INTERPRETED=False)
-    interpreted = SimpleNamespace(__name__="minicb.triton_attention", INTERPRETED=True)
-    student = SimpleNamespace(__name__="minicb_student_triton_attention")
-    monkeypatch.delenv("MINICB_TILE_PREFILL", raising=False)
-    assert use_tile_prefill(reference) and not use_tile_prefill(interpreted) and not use_tile_prefill(student)
-    monkeypatch.setenv("MINICB_TILE_PREFILL", "0")
-    assert not use_tile_prefill(reference)
-    monkeypatch.setenv("MINICB_TILE_PREFILL", "1")
-    assert use_tile_prefill(interpreted) and not use_tile_prefill(student)  # a student's prefill is graded
-    monkeypatch.setenv("MINICB_TILE_PREFILL", "yes")
-    with pytest.raises(ValueError, match="MINICB_TILE_PREFILL='yes'"):
-        use_tile_prefill(reference)
+    from minicb import cpu_attention, paged_attention, triton_attention
+    from minicb.config import EngineConfig
+    from minicb.parts import EngineParts
+
+    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+
+    def chosen(interpreted: bool, students=(), **config) -> str:
+        monkeypatch.setattr(triton_attention, "INTERPRETED", interpreted)  # how this process defined its kernels
+        modules = {"paged_attention": paged_attention, "triton_attention": SimpleNamespace()}
+        parts = EngineParts(EngineConfig(**config), load=modules.__getitem__, students=frozenset(students))
+        backend = parts.attention(model)
+        inner = getattr(backend, "prefill_backend", None)
+        return type(backend).__name__ + (f"+{type(inner).__name__}" if inner is not None else "")
+
+    assert chosen(False, attention="triton") == "TritonTileAttention", "compiled: the tile prefill by default"
+    assert chosen(True, attention="triton") == "TritonAttention+TorchAttention", (
+        "interpreted: chapter 05's store and decode, chapter 04's prefill")
+    assert chosen(True, attention="triton", tile_prefill=True) == "TritonTileAttention"
+    assert chosen(False, attention="triton", tile_prefill=False) == "TritonAttention"
+    # A student's chapter 05 file runs as written (its prefill is graded), whatever tile_prefill says.
+    assert chosen(False, ["triton_attention"], attention="triton", tile_prefill=True) == "StudentAttention"
+    assert chosen(True, ["triton_attention"], attention="triton") == "StudentAttention+TorchAttention"
+    compiled = "CpuDecodeAttention" if cpu_attention.applies_to(model.device, model.dtype) else "TorchAttention"
+    assert chosen(True, attention="torch") == compiled
+    assert chosen(True, attention="torch", cpu_decode="gather") == "TorchAttention"
+    assert chosen(True, ["paged_attention"], attention="torch") == "StudentAttention"
+    with pytest.raises(ValueError, match="tile_prefill=True needs attention='triton'"):
+        EngineConfig(attention="torch", tile_prefill=True)
+    with pytest.raises(ValueError, match="cpu_decode='fast'"):
+        EngineConfig(cpu_decode="fast")

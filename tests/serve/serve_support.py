@@ -37,7 +37,7 @@ def tiny_llm(**engine_config) -> LLM:
 def tiny_server(max_waiting: int = 256, shutdown_timeout: float = 2.0, **engine_config):
     """(url, app) of a server on 127.0.0.1 at a free port, stopped on exit as on SIGTERM: drained
     for up to `shutdown_timeout` seconds, then whatever still runs is aborted."""
-    app = create_app(tiny_llm(keep_traces=1, **engine_config), TINY, max_waiting=max_waiting)
+    app = create_app(tiny_llm(**engine_config), TINY, max_waiting=max_waiting)
     with serve_in_thread(app, shutdown_timeout=shutdown_timeout) as url:
         yield url, app
 

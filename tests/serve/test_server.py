@@ -21,6 +21,9 @@ import pytest
 from minicb.bench.sse import parse_event, sse_events
 from minicb.sampling import SamplingParams
 from minicb.serve.loop import EngineLoop, Finished, Token
+from minicb.serve.app import create_app
+from minicb.serve.server import serve_in_thread
+
 from serve_support import TINY, ByteTokenizer, metric, tiny_llm, tiny_server, wait_for
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -201,7 +204,7 @@ def test_engine_loop_abort_takes_effect_before_the_next_step():
             while not feed.empty():
                 records.append(feed.get_nowait())
             late = [r.trace.step for r in records
-                    if r.trace.step > in_progress and any(s.request_id == rid for s in r.trace.slots)]
+                    if r.trace.step > in_progress and any(s.seq_id == rid for s in r.trace.slots)]
             assert not late, f"steps {late} still ran the aborted request"
             assert not engine.has_unfinished()
             assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
@@ -453,6 +456,27 @@ def test_metrics_report_the_acceptance_rate_with_speculation():
         drafts, accepted = metric(text, "minicb_spec_draft_tokens_total"), metric(text, "minicb_spec_accepted_tokens_total")
         assert before == 0 and drafts > 0, f"acceptance rate {before} before any request; {drafts} drafts after"
         assert metric(text, "minicb_spec_acceptance_rate") == pytest.approx(accepted / drafts), (accepted, drafts)
+
+
+def test_speculation_counters_need_no_traces():
+    """The counters come from each step's output, not from a trace: with serve's flags
+    `--keep-traces 0 --speculative-ngram 2` (no dashboard open, so no step builds a trace)
+    they still count the drafts of a prompt that copies itself."""
+    from minicb.cli_args import engine_config
+    from minicb.serve.server import parse_args
+
+    flags = engine_config(parse_args(["--keep-traces", "0", "--speculative-ngram", "2", "--max-num-seqs", "4"]))
+    app = create_app(tiny_llm(**flags), TINY)
+    assert app.state.loop.engine.config.keep_traces == 0 and app.state.loop.engine.speculator is not None
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        prompt = list(range(60, 120)) * 2  # the second half repeats the first: its pairs were seen before
+        reply = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 48, "ignore_eos": True,
+                                                     "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        text = client.get("/metrics").text
+        drafts, accepted = metric(text, "minicb_spec_draft_tokens_total"), metric(text, "minicb_spec_accepted_tokens_total")
+        assert drafts > 0 and accepted > 0, f"no trace kept, yet the counters must count: {drafts} drafts, {accepted} accepted"
+        assert not app.state.loop.engine.traces, "keep_traces=0: the engine kept a trace"
 
 
 def test_serve_takes_the_speculative_settings():

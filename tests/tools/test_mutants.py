@@ -176,8 +176,8 @@ MUTANTS = [
     # ---- chapter 06: the scheduler
     Mutant(6, 1, "admit allocates the prompt only, not prompt + outputs, when a preempted request returns",
            "Scheduler.admit",
-           [("self.allocator.allocate_prefix(seq.request_id, seq.token_ids)",
-             "self.allocator.allocate_prefix(seq.request_id, seq.prompt_token_ids)")]),
+           [("self.allocator.allocate_prefix(seq.seq_id, seq.token_ids)",
+             "self.allocator.allocate_prefix(seq.seq_id, seq.prompt_token_ids)")]),
     Mutant(6, 1, "later requests overtake the head of the queue when it does not fit", "Scheduler.admit",
            [("    while self.waiting and not out.preempted:\n"
              "        seq = self.waiting[0]\n",
@@ -272,8 +272,8 @@ MUTANTS = [
     # ---- chapter 09: the server's engine thread (one per task: each costs ~15 s of the suite)
     Mutant(9, 1, "a request leaves owners when its first completion finishes, so its other completions' "
            "tokens are dropped", "group_step",
-           [("handle = owners.get(seq.owner_id)", "handle = owners.pop(seq.owner_id, None)"),
-            ("del owners[seq.owner_id]", "pass")]),
+           [("handle = owners.get(seq.request_id)", "handle = owners.pop(seq.request_id, None)"),
+            ("del owners[seq.request_id]", "pass")]),
     Mutant(9, 2, "take_commands stops after one queued command, so an abort waits steps behind the others",
            "take_commands", [("commands.append(inbox.get_nowait())", "return commands + [inbox.get_nowait()]")]),
     Mutant(9, 2, "an abort of completion 0 is read as an abort of the whole request (0 is falsy)",
@@ -322,7 +322,7 @@ MUTANTS = [
     Mutant(11, 2, "rejection sampling draws the bonus token from the first row, not the last", "rejection_sample",
            [("target_probs[len(draft_token_ids)]", "target_probs[0]")], recompile=SPECULATOR_GIVEN),
     Mutant(11, 3, "rollback steps the computed count back but keeps the rejected drafts' slots and blocks",
-           "rollback", [("allocator.truncate(seq.request_id, seq.num_computed_tokens - num_rejected)", "pass")],
+           "rollback", [("allocator.truncate(seq.seq_id, seq.num_computed_tokens - num_rejected)", "pass")],
            recompile=SPECULATOR_GIVEN),
     Mutant(11, 1, "prompt lookup ignores k and proposes the whole continuation", "propose_ngram",
            [("token_ids[start + n:start + n + k]", "token_ids[start + n:]")], recompile=SPECULATOR_GIVEN),

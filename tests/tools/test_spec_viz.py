@@ -1,7 +1,7 @@
 """Tests for minicb/spec_viz.py, on StepTraces built by hand (no model, well under a second).
 
 The traces below follow chapter 11's engine: a step that verified drafts lists
-(request_id, drafts, num_accepted, added token) in `speculation`, and `new_tokens`
+(seq_id, drafts, num_accepted, added token) in `speculation`, and `new_tokens`
 holds what was appended, the accepted drafts then the added token.
 """
 import ast
@@ -153,7 +153,7 @@ def test_inconsistent_traces_and_unknown_requests_raise():
     bad = [trace(0, new_tokens=[(0, 4)], speculation=[(0, [2], 1, 3)])]  # appended is not what was verified
     with pytest.raises(ValueError, match="appended"):
         spec_viz.request_steps(bad, 0)
-    with pytest.raises(ValueError, match="request 7"):
+    with pytest.raises(ValueError, match="sequence 7"):
         spec_viz.speculation_html(TRACES, WordTokenizer(), 7)
 
 

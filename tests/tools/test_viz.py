@@ -61,7 +61,7 @@ def simulate_continuous(requests, num_slots=2, num_blocks=5, block_size=2) -> li
                 release(victim)
                 del slot_of[victim]
                 kv_len[victim] = generated[victim] = 0
-                slots = [SlotState(None, "empty") if s.request_id == victim else s for s in slots]
+                slots = [SlotState(None, "empty") if s.seq_id == victim else s for s in slots]
                 waiting.insert(0, victim)
                 preempted.append(victim)
                 if victim == rid:
@@ -83,9 +83,9 @@ def simulate_continuous(requests, num_slots=2, num_blocks=5, block_size=2) -> li
             slots[slot] = SlotState(rid, "prefill", requests[rid][0])
         # "Run" the step, then evict the requests that are done.
         for slot_state in slots:
-            if slot_state.request_id is not None:
-                kv_len[slot_state.request_id] += slot_state.num_tokens
-                generated[slot_state.request_id] += 1
+            if slot_state.seq_id is not None:
+                kv_len[slot_state.seq_id] += slot_state.num_tokens
+                generated[slot_state.seq_id] += 1
         for rid in list(slot_of):
             if generated[rid] == requests[rid][1]:
                 finished.append((rid, "stop" if requests[rid][2] else "length"))
@@ -220,7 +220,7 @@ def test_timeline_text_markers_match_events(continuous):
         assert marks[i] == viz.MARKERS[kind], f"step {i} slot {slot}: want {kind!r}, row {marks!r}"
         state = continuous[i].slots[slot]
         if state.phase != "empty":
-            assert cells[i] == viz.request_symbol(state.request_id, state.phase == "prefill")
+            assert cells[i] == viz.request_symbol(state.seq_id, state.phase == "prefill")
     for rid in range(len(REQUESTS)):
         assert viz.request_symbol(rid, prefill=True) in text and viz.request_symbol(rid) in text
 
@@ -273,7 +273,7 @@ def test_plot_timeline_cells_take_request_colors(continuous):
     assert len(viz.plot_timeline(continuous, strip=False).axes) == 1
     image = render(fig)
     # step 0, slot 0: r0's prefill, in the darker shade; a later decode of the same slot is lighter
-    want = np.round(np.array(viz.request_color(continuous[0].slots[0].request_id, prefill=True)) * 255)
+    want = np.round(np.array(viz.request_color(continuous[0].slots[0].seq_id, prefill=True)) * 255)
     assert np.abs(pixel(image, ax, 0, 0.3) - want).max() <= 3, (pixel(image, ax, 0, 0.3), want)
     decode = next(i for i, t in enumerate(continuous) if t.slots[0].phase == "decode")
     assert np.abs(pixel(image, ax, decode, 0.3) - pixel(image, ax, 0, 0.3)).max() > 20
@@ -330,7 +330,7 @@ def test_step_player_follows_the_slider(continuous):
         player.slider.value = k
         state, trace = player.state(), continuous[k]
         assert state["step"] == k and player.step == k
-        assert state["slots"] == [s.request_id if s.phase != "empty" else None for s in trace.slots]
+        assert state["slots"] == [s.seq_id if s.phase != "empty" else None for s in trace.slots]
         assert state["phases"] == [s.phase for s in trace.slots]
         assert (state["waiting"], state["running"]) == (trace.waiting, trace.running)
         assert state["finished"] == [rid for t in continuous[:k + 1] for rid, _ in t.finished]
@@ -562,7 +562,7 @@ def run_long_prompt(chunked: bool) -> tuple[list[StepTrace], int]:
     """chapter 08's picture on the tiny model: three requests decode while a 60-token prompt
     arrives. With chunking and a budget of 8 the prompt is cut into 12 chunks of 5."""
     llm = LLM.from_model(random_model(seed=5), block_size=4, max_num_seqs=4, enable_chunked_prefill=chunked,
-                         max_num_batched_tokens=8 if chunked else 4096)
+                         max_num_batched_tokens=8 if chunked else 4096, keep_traces=None)  # the engine keeps every step
     decoding = SamplingParams(max_tokens=24, ignore_eos=True)
     for i in range(3):
         llm.engine.add_request([5 + i, 6, 7], decoding)
@@ -604,7 +604,7 @@ def test_strip_heights_are_each_steps_decode_and_prefill_tokens(long_prompt_runs
     assert decode.tolist() == slot_sums(traces, "decode")
     assert prompts.tolist() == slot_sums(traces, "prefill")
     # While the long prompt is cut, every column is 3 decodes + a chunk of 5: the budget, full.
-    cut = [i for i, t in enumerate(traces) if any(s.request_id == long_id and s.phase == "prefill" for s in t.slots)]
+    cut = [i for i, t in enumerate(traces) if any(s.seq_id == long_id and s.phase == "prefill" for s in t.slots)]
     assert len(cut) == 12, f"the 60-token prompt should take 12 steps, took {len(cut)}"
     assert [(decode[i], layers["prompt chunk"][i], layers["whole prompt"][i]) for i in cut] == [(3, 5, 0)] * 12
     assert (decode + prompts).max() <= 8
@@ -647,7 +647,7 @@ def test_step_player_state_has_the_steps_token_split(long_prompt_runs):
     traces, long_id = long_prompt_runs[True]
     player = viz.StepPlayer(traces, budget=8)
     decode, prefill = slot_sums(traces, "decode"), slot_sums(traces, "prefill")
-    cut = next(i for i, t in enumerate(traces) if any(s.request_id == long_id for s in t.slots))
+    cut = next(i for i, t in enumerate(traces) if any(s.seq_id == long_id for s in t.slots))
     for k in (0, cut, cut + 4, len(traces) - 1):
         player.step = k
         state = player.state()
