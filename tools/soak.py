@@ -13,9 +13,10 @@ them per request is invisible in a unit test and fatal after a day.
 
 The tool starts its own server in a child process (or soaks --url), with prefix
 caching and chunked prefill on and a small token budget (64), so that shared
-prefixes hit the cache and prompts are cut into chunks. Then --clients threads
-(8) send requests until --duration seconds or --requests requests have gone,
-each drawn from a mix:
+prefixes hit the cache and prompts are cut into chunks. Then --clients clients
+(8), side by side on one asyncio loop, each one request at a time on its own
+connections, send requests until --duration seconds or --requests requests have
+gone, each drawn from a mix:
 
     completion, completion_stream, chat, chat_stream
             good requests: n of 1-3, greedy or sampled, some with a stop string;
@@ -23,6 +24,10 @@ each drawn from a mix:
     abort   a long stream whose client reads 1-3 chunks and hangs up
     bad_empty_prompt, bad_max_tokens, bad_model, bad_json
             must get a 4xx in OpenAI's error shape, and cost the server nothing
+
+Every request goes through bench-serve's `request()` (minicb/bench/serve.py),
+the one place that sends a request and reads its stream; the soak only
+chooses what to send and checks what came back.
 
 Every few seconds it reads the server process's resident memory (VmRSS) and
 threads from /proc/PID/status, and counts /proc/PID/fd. Three samples make the
@@ -45,6 +50,7 @@ The exit code is 0 on a pass, 1 on a fail, 2 when the server never started.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -62,7 +68,8 @@ from collections import Counter
 
 import httpx
 
-from minicb.bench.sse import DONE, sse_events
+from minicb.bench.serve import Reply, request
+from minicb.bench.sse import DONE
 
 GOOD_KINDS = ("completion", "completion_stream", "chat", "chat_stream")
 BAD_KINDS = ("bad_empty_prompt", "bad_max_tokens", "bad_model", "bad_json")
@@ -196,62 +203,57 @@ def check_stream(body: dict, events: list) -> str | None:
 
 
 def bad_request(kind: str, model: str, rng: random.Random) -> tuple[str, dict]:
-    """(path, httpx keyword arguments) of a request the server must refuse."""
+    """(path, keyword arguments of `request()`) of a request the server must refuse."""
     chat = rng.random() < 0.5
     path = "/v1/chat/completions" if chat else "/v1/completions"
     good = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     if kind == "bad_empty_prompt":  # (an empty chat message still has the template around it)
-        return "/v1/completions", {"json": {"model": model, "prompt": "", "max_tokens": 4}}
+        return "/v1/completions", {"body": {"model": model, "prompt": "", "max_tokens": 4}}
     if kind == "bad_max_tokens":
-        return path, {"json": {"model": model, **good, "max_tokens": 0}}
+        return path, {"body": {"model": model, **good, "max_tokens": 0}}
     if kind == "bad_model":
-        return path, {"json": {"model": "no-such-model", **good, "max_tokens": 4}}
+        return path, {"body": {"model": "no-such-model", **good, "max_tokens": 4}}
     return path, {"content": b'{"prompt": "hi", "max_tokens": ', "headers": {"content-type": "application/json"}}
 
 
-def openai_error(response: httpx.Response) -> bool:
+def openai_error(reply: Reply) -> bool:
     try:
-        error = response.json()["error"]
+        error = reply.json()["error"]
     except (ValueError, KeyError, TypeError):
         return False
     return isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)
 
 
-def send(client: httpx.Client, kind: str, model: str, rng: random.Random) -> str | tuple[str, str]:
+async def send(client: httpx.AsyncClient, kind: str, model: str, rng: random.Random) -> str | tuple[str, str]:
     """Send one request of `kind`: "ok", or (error kind, what happened). Never raises."""
     try:
         if kind in BAD_KINDS:
-            path, request = bad_request(kind, model, rng)
-            response = client.post(path, **request)
-            if 400 <= response.status_code < 500 and openai_error(response):
+            path, fields = bad_request(kind, model, rng)
+            reply = await request(client, path, **fields)
+            if 400 <= reply.status < 500 and openai_error(reply):
                 return "expected_4xx"
-            if response.status_code >= 500:
-                return "5xx", f"{kind}: HTTP {response.status_code}: {response.text[:200]}"
-            category = "unexpected_4xx" if response.status_code >= 400 else "wrong_answer"
-            return category, f"{kind}: HTTP {response.status_code} (expected a 4xx in OpenAI's shape): " \
-                             f"{response.text[:200]}"
-        if kind == "abort":  # a long stream, read for 1-3 chunks: leaving the block hangs up
+            if reply.status >= 500:
+                return "5xx", f"{kind}: HTTP {reply.status}: {reply.text[:200]}"
+            category = "unexpected_4xx" if reply.status >= 400 else "wrong_answer"
+            return category, f"{kind}: HTTP {reply.status} (expected a 4xx in OpenAI's shape): {reply.text[:200]}"
+        if kind == "abort":  # a long stream, read for 1-3 events: then the client hangs up
             path, body = good_body(rng.choice(["completion_stream", "chat_stream"]), model, rng)
             body.update(max_tokens=256, ignore_eos=True)
-            with client.stream("POST", path, json=body) as response:
-                if response.status_code != 200:
-                    return status_error(kind, response.status_code, response.read().decode(errors="replace"))
-                events = sse_events(response.iter_lines(), limit=rng.randint(1, 3))
-            return "ok" if events else ("wrong_answer", f"{kind}: the stream sent no event")
+            reply = await request(client, path, body, stream=True, limit=rng.randint(1, 3))
+            if reply.status != 200:
+                return status_error(kind, reply.status, reply.text)
+            return "ok" if reply.events else ("wrong_answer", f"{kind}: the stream sent no event")
         path, body = good_body(kind, model, rng)
+        reply = await request(client, path, body, stream=body.get("stream", False))
+        if reply.status != 200:
+            return status_error(kind, reply.status, reply.text)
         if body.get("stream"):
-            with client.stream("POST", path, json=body) as response:
-                if response.status_code != 200:
-                    return status_error(kind, response.status_code, response.read().decode(errors="replace"))
-                events = sse_events(response.iter_lines())
+            events = reply.events
             if any(isinstance(e, dict) and "error" in e for e in events):  # an engine failure mid-stream
                 return "5xx", f"{kind}: error event in the stream: {[e for e in events if 'error' in e][0]}"
             problem = check_stream(body, events)
         else:
-            response = client.post(path, json=body)
-            if response.status_code != 200:
-                return status_error(kind, response.status_code, response.text)
-            problem = check_answer(kind, body, response.json())
+            problem = check_answer(kind, body, reply.json())
         return "ok" if problem is None else ("wrong_answer", f"{kind}: {problem}")
     except (httpx.HTTPError, OSError) as e:  # refused, reset, timed out
         return "connection", f"{kind}: {type(e).__name__}: {e}"
@@ -268,25 +270,23 @@ def status_error(kind: str, status: int, text: str) -> tuple[str, str]:
 
 
 class Tally:
-    """Requests sent and served by kind, errors by kind, the first few error messages; thread-safe."""
+    """Requests sent and served by kind, errors by kind, the first few error messages (one loop adds to it)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
         self.sent, self.ok, self.errors = Counter(), Counter(), Counter()
         self.examples: list[str] = []
 
     def add(self, kind: str, outcome):
-        with self.lock:
-            self.sent[kind] += 1
-            if outcome in ("ok", "expected_4xx"):
-                self.ok[kind] += 1
-                if outcome == "expected_4xx":
-                    self.errors["expected_4xx"] += 1
-                return
-            category, message = outcome
-            self.errors[category] += 1
-            if len(self.examples) < 10:
-                self.examples.append(message)
+        self.sent[kind] += 1
+        if outcome in ("ok", "expected_4xx"):
+            self.ok[kind] += 1
+            if outcome == "expected_4xx":
+                self.errors["expected_4xx"] += 1
+            return
+        category, message = outcome
+        self.errors[category] += 1
+        if len(self.examples) < 10:
+            self.examples.append(message)
 
     def as_dict(self) -> dict:
         return {"requests": {k: {"sent": self.sent[k], "ok": self.ok[k]} for k in KINDS},
@@ -295,34 +295,30 @@ class Tally:
 
 def run_clients(url: str, model: str, clients: int, seed: int, tally: Tally, requests: int | None = None,
                 duration: float | None = None, timeout: float = 60.0) -> float:
-    """`clients` threads send requests until `requests` are sent or `duration` seconds pass. Returns the seconds."""
+    """`clients` clients send requests side by side until `requests` are sent or `duration` seconds pass.
+    Returns the seconds."""
     kinds, weights = list(WEIGHTS), list(WEIGHTS.values())
     tickets = iter(range(requests)) if requests is not None else None
-    ticket_lock = threading.Lock()
     began = time.monotonic()
     deadline = began + duration if duration is not None else None
 
     def another() -> bool:
         if deadline is not None and time.monotonic() >= deadline:
             return False
-        if tickets is None:
-            return True
-        with ticket_lock:
-            return next(tickets, None) is not None
+        return tickets is None or next(tickets, None) is not None
 
-    def client_thread(i: int):
+    async def client(i: int):
         rng = random.Random(seed * 1000 + i)
-        # Each thread its own connections, all closed when it ends (the server's fds go back).
-        with httpx.Client(base_url=url, timeout=timeout) as client:
+        # Each client its own connections, all closed when it ends (the server's fds go back).
+        async with httpx.AsyncClient(base_url=url, timeout=timeout) as http:
             while another():
                 kind = rng.choices(kinds, weights)[0]
-                tally.add(kind, send(client, kind, model, rng))
+                tally.add(kind, await send(http, kind, model, rng))
 
-    threads = [threading.Thread(target=client_thread, args=(i,), name=f"soak-client-{i}") for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    async def every_client():
+        await asyncio.gather(*(client(i) for i in range(clients)))
+
+    asyncio.run(every_client())
     return time.monotonic() - began
 
 
@@ -330,10 +326,13 @@ def at_rest(url: str, model: str, sampler: Sampler, rest: float, phase: str) -> 
     """Wait `rest` idle seconds, serve one probe stream on a fresh connection, then sample (see the docstring)."""
     sampler.phase = "rest"
     time.sleep(rest)
-    with httpx.Client(base_url=url, timeout=60, headers={"Connection": "close"}) as client:
-        with client.stream("POST", "/v1/completions", json={"model": model, "prompt": "probe", "max_tokens": 1,
-                                                             "stream": True}) as response:
-            response.read()
+
+    async def probe():
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers={"Connection": "close"}) as http:
+            await request(http, "/v1/completions", {"model": model, "prompt": "probe", "max_tokens": 1,
+                                                    "stream": True}, stream=True)
+
+    asyncio.run(probe())
     time.sleep(0.5)  # the server closes its side of the connection
     return sampler.take(phase)
 
@@ -454,7 +453,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                        "tokenizer, minicb/serve/tiny.py), embedded (SmolLM2), or a checkpoint path (default tiny)")
     where.add_argument("--url", default=None, help="soak this already running server instead of starting one")
     ap.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, to watch its memory")
-    ap.add_argument("--clients", type=int, default=8, help="client threads sending requests side by side")
+    ap.add_argument("--clients", type=int, default=8, help="clients sending requests side by side")
     ap.add_argument("--warmup", type=int, default=64, help="requests of the same mix sent before the start sample")
     ap.add_argument("--rest", type=float, default=11.0,
                     help="idle seconds before each at-rest sample (more than AnyIO's 10 s worker idle time)")

@@ -29,6 +29,11 @@ split over two tokens, or a held-back stop string) or none. Throughput is
 requests and output tokens per second over the whole run (first request sent
 to last finished).
 
+One function sends a request and reads its answer, `request()`: the status, each
+event of the stream with its arrival time, or the body. bench-serve times its
+chunks from that; tools/soak.py sends its whole mix through it (aborts included:
+it can stop reading after a few events), so the two clients are one.
+
 The report is a markdown table on stdout and, with --json, every number and
 every request's record in one file.
 """
@@ -114,43 +119,77 @@ def request_body(args, model: str, conversation: list[dict], max_tokens: int) ->
     return "/v1/completions", {**body, "prompt": conversation[-1]["content"]}
 
 
+@dataclass
+class Reply:
+    """What one request got back: its HTTP status and, for a stream answered 200, its events in the order
+    they came ("[DONE]" stays a string), each with the seconds from sending to its arrival; otherwise the
+    body's text."""
+    status: int
+    events: list[dict | str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    text: str = ""
+    latency: float = 0.0  # seconds from sending to the answer's end (or to hanging up)
+
+    def json(self):
+        return json.loads(self.text)
+
+
+async def request(client, path: str, body: dict | None = None, *, content: bytes | None = None,
+                  headers: dict | None = None, stream: bool = False, limit: int | None = None) -> Reply:
+    """POST one request (`body` as JSON, or raw `content`) and read its answer. With `stream`, read the
+    server-sent events as they come, and with `limit` stop after that many: leaving the block then closes
+    the connection, as a client that hangs up mid-stream does. Raises what httpx raises (refused, reset,
+    timed out), and ValueError for an event that is not JSON."""
+    began = time.perf_counter()
+    async with client.stream("POST", path, json=body, content=content, headers=headers) as response:
+        reply = Reply(response.status_code)
+        if not stream or response.status_code != 200:
+            reply.text = (await response.aread()).decode(errors="replace")
+        else:
+            async for line in response.aiter_lines():
+                event = parse_event(line)
+                if event is None:
+                    continue  # blank separators, SSE comments
+                reply.events.append(event)
+                reply.times.append(time.perf_counter() - began)
+                if limit is not None and len(reply.events) >= limit:
+                    break
+    reply.latency = time.perf_counter() - began
+    return reply
+
+
 async def send(client, path: str, body: dict, record: RequestRecord, start: float) -> RequestRecord:
     """Stream one request and time its chunks. Never raises: a failure is recorded."""
-    began = time.perf_counter()
-    record.sent = began - start
-    last = None
+    record.sent = time.perf_counter() - start
     try:
-        async with client.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
-                return record
-            async for line in response.aiter_lines():
-                chunk = parse_event(line)
-                if chunk is None:
-                    continue  # blank separators, SSE comments
-                if chunk == DONE:
-                    break
-                if "error" in chunk:
-                    record.error = f"error event: {chunk['error']}"
-                    return record
-                if chunk.get("usage"):
-                    record.prompt_tokens = chunk["usage"].get("prompt_tokens")
-                    record.output_tokens = chunk["usage"].get("completion_tokens", 0)
-                for choice in chunk.get("choices", []):
-                    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                    if not text:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        record.ttft = now - began
-                    else:
-                        record.itls.append(now - last)
-                    last = now
-                    record.text += text
+        reply = await request(client, path, body, stream=True)
     except Exception as e:  # a refused connection, a timeout, a broken stream: one failed request
         record.error = f"{type(e).__name__}: {e}"
         return record
-    record.latency = time.perf_counter() - began
+    if reply.status != 200:
+        record.error = f"HTTP {reply.status}: {reply.text[:300]}"
+        return record
+    last = None
+    for chunk, arrived in zip(reply.events, reply.times):
+        if chunk == DONE:
+            break
+        if "error" in chunk:
+            record.error = f"error event: {chunk['error']}"
+            return record
+        if chunk.get("usage"):
+            record.prompt_tokens = chunk["usage"].get("prompt_tokens")
+            record.output_tokens = chunk["usage"].get("completion_tokens", 0)
+        for choice in chunk.get("choices", []):
+            text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            if not text:
+                continue
+            if last is None:
+                record.ttft = arrived
+            else:
+                record.itls.append(arrived - last)
+            last = arrived
+            record.text += text
+    record.latency = reply.latency
     if record.ttft is None:  # an empty answer (EOS first): its first token came with the end
         record.ttft = record.latency
     if not record.output_tokens:  # a server without include_usage: count chunks instead

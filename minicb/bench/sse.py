@@ -2,9 +2,9 @@
 
 A streamed answer is lines of text; an event's data follows `data:` (the space after
 the colon is optional), each event is JSON but for the stream's last, the bare
-`data: [DONE]`, and blank lines and `:` comments sit between them. bench-serve
-(minicb/bench/serve.py), tools/soak.py and the server's tests all read streams
-with these two functions.
+`data: [DONE]`, and blank lines and `:` comments sit between them. bench-serve's
+`request()` (minicb/bench/serve.py), which tools/soak.py sends through too, and
+the server's tests all read streams with these two functions.
 """
 from __future__ import annotations
 
