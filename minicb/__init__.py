@@ -9,6 +9,12 @@ The chapters map to files as README.md's table shows.
 import os
 import sys
 
+# The course release: what a student's exercise files are written against. pyproject.toml
+# reads the version from here; chapters/CHANGELOG.md has an entry for each release, with
+# its date and the commit it starts from, and `python -m minicb check` names it.
+__version__ = "0.2.0"
+__course_date__ = "2026-12-03"
+
 # OpenMP threads that finish a parallel op spin, waiting for the next, unless told
 # to sleep. Alone on a machine that saves microseconds; beside a browser, Jupyter
 # or another job, the spinning threads take the cores the others need and the
