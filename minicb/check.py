@@ -1,5 +1,5 @@
 """Grade a chapter's exercises: `python -m minicb check N|all [--file PATH] [--task K] [--full] [-k EXPR] [-m MARKS]
-[-v] [--format table|json|gradescope]`.
+[-v] [--format table|json|gradescope] [--test-timeout S]`.
 
 It runs chapter N's tests (tests/chapters/test_chNN_*.py) against your
 chapters/NN-slug/exercise.py -- or against PATH with --file, which is how a
@@ -15,6 +15,13 @@ tests took:
 By default it runs every test but the slow ones (`-m "not slow"`): those are
 enough to catch every bug planted in tests/tools/test_mutants.py. `--full` adds the
 slow tests, which run the real model through your code.
+
+It says which course release it grades against ("minicb course 0.2.0
+(2026-12-03)"; chapters/CHANGELOG.md lists what changed in each), and prints a
+line on stderr as each task's last test finishes, so a long grade shows it is
+moving. A test that runs longer than `--test-timeout` seconds (default 120; the
+real-model tests take up to 90) fails with "task K, test_x: no answer in 120 s
+(an endless loop?)" and the others still run; 0 turns the limit off.
 
 The exit code is 0 only when every test ran and passed (tests that skip
 themselves, such as GPU-only ones on a laptop, are not failures), 1 when
@@ -51,17 +58,25 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from dataclasses import dataclass, field
 
+import minicb
 from minicb import impl
 
 REPORT_ENV = "MINICB_CHECK_REPORT"  # where the plugin in the child process writes its results
 TASKS_ENV = "MINICB_CHECK_TASKS"  # comma-separated tasks to run ("2", "1,all"); unset: every test
+TEST_TIMEOUT_ENV = "MINICB_CHECK_TEST_TIMEOUT"  # seconds one test's setup, call or teardown may take; unset: none
+PROGRESS_ENV = "MINICB_CHECK_PROGRESS_FD"  # a pipe the plugin writes a JSON line to as each task finishes
+# Generous for the real-model tests (25-90 s each under --full on 2 CPUs, tools/check_times.py),
+# short enough that an endless loop in a student's code is reported within minutes.
+DEFAULT_TEST_TIMEOUT = 120.0
 
 
 @dataclass
@@ -140,13 +155,76 @@ def pytest_assertrepr_compare(config, op, left, right):
             f"first difference at index {index} (lengths {len(left)} and {len(right)}): {what}"]
 
 
+class TestTimeout(BaseException):
+    """A test ran past check's time limit. A BaseException, so that a student's `except Exception`
+    around the loop that never ends cannot swallow it; pytest still reports it as the test's failure."""
+
+
+def _watchdog(seconds: float):
+    """A pytest plugin that fails a test whose setup, call or teardown runs longer than `seconds`,
+    so that the rest still run (pytest has no time limit of its own; made here, not at import,
+    so that the grader's own process need not import pytest).
+
+    SIGALRM on the main thread (where pytest runs the tests) raises TestTimeout
+    inside whatever the test is doing, a `while True: pass` included; pytest
+    records it as that test's failure and goes on to the next test. The alarm
+    fires again every few seconds until the phase ends, in case the code it
+    interrupted caught the first one. Where there is no SIGALRM (Windows) or
+    pytest is not on the main thread, tests run without a limit.
+    """
+    import pytest
+
+    repeat = 5.0  # seconds between alarms after the first
+
+    class Watchdog:
+        usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+        def _phase(self, item, when: str):
+            if not self.usable:
+                yield
+                return
+            marker = item.get_closest_marker("task")
+            task = marker.args[0] if marker and marker.args else "?"
+            where = "" if when == "call" else f" (in its {when})"
+            message = f"task {task}, {item.name}{where}: no answer in {seconds:g} s (an endless loop?)"
+
+            def alarm(signum, frame):
+                raise TestTimeout(message)
+
+            previous = signal.signal(signal.SIGALRM, alarm)
+            signal.setitimer(signal.ITIMER_REAL, seconds, repeat)
+            try:
+                yield
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_setup(self, item):
+            yield from self._phase(item, "setup")
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_call(self, item):
+            yield from self._phase(item, "call")
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_teardown(self, item):
+            yield from self._phase(item, "teardown")
+
+    return Watchdog()
+
+
 class _Collector:
-    def __init__(self, path: str, tasks: set[str] | None = None):
+    def __init__(self, path: str, tasks: set[str] | None = None, progress=None):
         self.path = path
         self.only_tasks = tasks  # run only tests of these tasks (as strings: "2", "all"); None: all
         self.tasks: dict[str, int | str | None] = {}
         self.results: dict[str, TestResult] = {}
         self.errors: list[str] = []
+        self.progress = progress  # a text file (the parent's pipe) for a line per finished task, or None
+        self.left: dict[str, int] = {}  # task (as a string) -> its tests not finished yet
+        self.total = 0  # tests selected
+        self.done: set[str] = set()  # tests finished
 
     def pytest_collection_modifyitems(self, config, items):
         for item in items:
@@ -158,6 +236,13 @@ class _Collector:
             keep = [item for item in items if str(self.tasks[item.nodeid]) in self.only_tasks]
             config.hook.pytest_deselected(items=[item for item in items if item not in keep])
             items[:] = keep
+
+    def pytest_collection_finish(self, session):
+        # After every plugin's selection (-k and -m deselect in hooks that may run after ours).
+        self.total = len(session.items)
+        for item in session.items:
+            key = str(self.tasks.get(item.nodeid))
+            self.left[key] = self.left.get(key, 0) + 1
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -173,8 +258,29 @@ class _Collector:
             return
         if report.failed:
             result.outcome, result.message = "failed", _first_line(report.longrepr)
+            if result.message.startswith(f"{__name__}.TestTimeout: "):  # the message says it all
+                result.message = result.message.split(": ", 1)[1]
         elif report.skipped:
             result.outcome, result.message = "skipped", _first_line(report.longrepr)
+
+    def pytest_runtest_logfinish(self, nodeid):
+        """Tell the parent when the last test of a task has finished (tasks interleave across files)."""
+        if nodeid in self.done or nodeid not in self.tasks:
+            return
+        self.done.add(nodeid)
+        task = str(self.tasks[nodeid])
+        self.left[task] = self.left.get(task, 1) - 1
+        if self.progress is None or self.left[task] > 0:
+            return
+        mine = [r for r in self.results.values() if str(r.task) == task]
+        line = {"task": "?" if task == "None" else task, "passed": sum(r.outcome == "passed" for r in mine),
+                "failed": sum(r.outcome == "failed" for r in mine), "total": len(mine),
+                "seconds": round(sum(r.seconds for r in mine), 1), "done": len(self.done), "of": self.total}
+        try:
+            self.progress.write(json.dumps(line) + "\n")
+            self.progress.flush()
+        except OSError:  # the parent stopped reading: grading goes on without progress
+            self.progress = None
 
     def pytest_sessionfinish(self):
         with open(self.path, "w") as file:
@@ -186,7 +292,12 @@ def pytest_configure(config):
     if path:
         tasks = os.environ.get(TASKS_ENV)
         only = {t.strip() for t in tasks.split(",") if t.strip()} if tasks else None
-        config.pluginmanager.register(_Collector(path, only), "minicb-check-collector")
+        fd = os.environ.get(PROGRESS_ENV)
+        progress = os.fdopen(int(fd), "w", buffering=1, closefd=True) if fd else None
+        config.pluginmanager.register(_Collector(path, only, progress), "minicb-check-collector")
+    limit = float(os.environ.get(TEST_TIMEOUT_ENV) or 0)
+    if limit > 0:
+        config.pluginmanager.register(_watchdog(limit), "minicb-check-watchdog")
 
 
 # ---- the grader half: runs in your process --------------------------------------
@@ -204,7 +315,8 @@ def chapter_test_files(chapter: int) -> list[pathlib.Path]:
 
 def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
               pytest_args: list[str] | tuple[str, ...] = (), verbose: bool = False,
-              tasks: list[int | str] | None = None, timeout: float | None = None) -> Report:
+              tasks: list[int | str] | None = None, timeout: float | None = None,
+              test_timeout: float | None = DEFAULT_TEST_TIMEOUT, progress=None) -> Report:
     """Run chapter `chapter`'s tests against the student's file; collect per-test results.
 
     exercise_file: grade this file instead of chapters/NN-slug/exercise.py.
@@ -213,6 +325,11 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
     tasks: run only the tests of these tasks (e.g. [2] or [1, "all"]); None runs them all.
     timeout: stop the tests after this many seconds (a submission whose loop never ends);
     the report then has an error saying so. None: no limit.
+    test_timeout: fail any one test (its setup, call or teardown) that runs longer than
+    this many seconds, with "task K, test_x: no answer in S s (an endless loop?)", and go
+    on with the others. None or 0: no limit per test.
+    progress: called with a dict (task, passed, failed, total, seconds, done, of) as the
+    last test of each task finishes, from a thread of this process. None: no progress.
     """
     module = impl.module_for_chapter(chapter)  # raises ValueError naming the allowed chapters
     test_files = chapter_test_files(chapter)
@@ -238,9 +355,12 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
             raise FileNotFoundError(f"exercise file not found: {impl.exercise_path(module)}")
         env["MINICB_IMPL"] = "student"
 
-    env.pop(TASKS_ENV, None)
+    for name in (TASKS_ENV, TEST_TIMEOUT_ENV, PROGRESS_ENV):
+        env.pop(name, None)
     if tasks is not None:
         env[TASKS_ENV] = ",".join(map(str, tasks))
+    if test_timeout:
+        env[TEST_TIMEOUT_ENV] = f"{test_timeout:g}"
     with tempfile.TemporaryDirectory() as scratch:
         env[REPORT_ENV] = os.path.join(scratch, "results.json")
         # no:cacheprovider: grading must not leave .pytest_cache behind, nor reorder
@@ -248,23 +368,73 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
         # here, and importing it costs every grade about 3 s.
         command = [sys.executable, "-m", "pytest", *map(str, test_files), "-p", "minicb.check",
                    "-p", "no:cacheprovider", "-p", "no:nbmake", "-v" if verbose else "-q", "--tb=short", *pytest_args]
-        try:
-            child = subprocess.run(command, cwd=impl.ROOT, env=env, text=True, timeout=timeout,
-                                   stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)
-        except subprocess.TimeoutExpired as expired:
-            output = expired.output.decode(errors="replace") if isinstance(expired.output, bytes) else ""
+        returncode, output = _run_child(command, env, verbose, timeout, progress)
+        if returncode is None:
             return Report(errors=[f"the tests did not finish in {timeout:g} s: a loop that never ends?"],
-                          returncode=1, output=output or "")
-        report = Report(returncode=child.returncode, output=child.stdout or "")
+                          returncode=1, output=output)
+        report = Report(returncode=returncode, output=output)
         try:
             with open(env[REPORT_ENV]) as file:
                 data = json.load(file)
         except FileNotFoundError:  # pytest died before the session finished (bad arguments, crash)
-            report.errors.append(f"pytest exited with code {child.returncode} before reporting any results")
+            report.errors.append(f"pytest exited with code {returncode} before reporting any results")
             return report
     report.results = [TestResult(**r) for r in data["results"]]
     report.errors += data["errors"]
     return report
+
+
+def _run_child(command: list[str], env: dict, verbose: bool, timeout: float | None,
+               progress) -> tuple[int | None, str]:
+    """Run the child pytest: (its exit code, or None past `timeout`; its output).
+
+    With `progress`, the child gets the write end of a pipe (PROGRESS_ENV names it)
+    and a thread here hands each line it writes to `progress` as it comes.
+    """
+    read_end = write_end = None
+    if progress is not None:
+        read_end, write_end = os.pipe()
+        env = dict(env, **{PROGRESS_ENV: str(write_end)})
+    with tempfile.TemporaryFile("w+", errors="replace") as out:
+        # Output goes to a file, not a pipe: nothing the tests leave running can make reading it wait.
+        child = subprocess.Popen(command, cwd=impl.ROOT, env=env, text=True, stdin=subprocess.DEVNULL,
+                                 stdout=None if verbose else out, stderr=None if verbose else subprocess.STDOUT,
+                                 pass_fds=() if write_end is None else (write_end,))
+        reader = None
+        if write_end is not None:
+            os.close(write_end)  # the child holds it now; the pipe ends when the child does
+            reader = threading.Thread(target=_read_progress, args=(read_end, progress), daemon=True)
+            reader.start()
+        try:
+            returncode = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            returncode = None
+        if reader is not None:
+            reader.join(timeout=5)
+        out.seek(0)
+        return returncode, out.read()
+
+
+def _read_progress(fd: int, progress) -> None:
+    with os.fdopen(fd) as lines:
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            try:
+                progress(event)
+            except Exception:  # a broken progress display must not lose the grade
+                pass
+
+
+def print_progress(event: dict, file=None) -> None:
+    """`check N`'s line as each task finishes, on stderr: it never mixes with a JSON report."""
+    failed = f", {event['failed']} failed" if event.get("failed") else ""
+    print(f"  task {event['task']}: {event['passed']}/{event['total']} passed{failed}, {event['seconds']:.0f}s"
+          f"  [{event['done']}/{event['of']} tests run]", file=file or sys.stderr, flush=True)
 
 
 def task_summaries(report: Report) -> list[dict]:
@@ -292,9 +462,16 @@ def exit_status(report: Report, graded: bool = True) -> int:
     return 2 if not graded else (0 if report.passed else 1)
 
 
+def course() -> str:
+    """The course release a grade is made against, e.g. "minicb course 0.2.0 (2026-12-03)"
+    (chapters/CHANGELOG.md says what changed in each)."""
+    return f"minicb course {minicb.__version__} ({minicb.__course_date__})"
+
+
 def json_report(chapter: int, report: Report, seconds: float, graded: bool = True) -> dict:
     """`check N --format json`: the whole grade as one JSON object, for a course platform."""
-    return {"chapter": chapter, "exit_status": exit_status(report, graded), "passed": report.passed,
+    return {"chapter": chapter, "course_version": minicb.__version__, "course_date": minicb.__course_date__,
+            "exit_status": exit_status(report, graded), "passed": report.passed,
             "duration_s": round(seconds, 1), "errors": report.errors,
             "tasks": [{k: t[k] for k in ("task", "passed", "skipped", "total", "seconds", "status", "first_failure")}
                       for t in task_summaries(report)]}
@@ -377,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "results.json (to --out)")
     parser.add_argument("--out", default="results.json", help="--format gradescope: where to write (default "
                         "results.json; Gradescope reads /autograder/results/results.json)")
+    parser.add_argument("--test-timeout", type=float, default=DEFAULT_TEST_TIMEOUT, metavar="S",
+                        help=f"fail a test that runs longer than S seconds (an endless loop) and go on with the "
+                             f"rest (default {DEFAULT_TEST_TIMEOUT:g}; 0: no limit)")
     return parser
 
 
@@ -407,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 every test passed, 1 something failed, 2 could not grade (a missing file, a file
     that does not import, a bad chapter number)."""
     args = build_parser().parse_args(argv)
+    if args.test_timeout < 0:
+        print(f"error: --test-timeout {args.test_timeout:g}: give a number of seconds (0: no limit)", file=sys.stderr)
+        return 2
     if args.chapter == "all":
         return check_all(args)
     quiet = args.format != "table"  # json / gradescope: only the report goes to stdout
@@ -421,8 +604,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ImportError(f"{target} does not import, so nothing in it can be graded: {problem}")
         if not quiet:
             shown = os.path.relpath(target, impl.ROOT) if args.file is None else target
-            print(f"chapter {args.chapter} ({module}): grading {shown}", flush=True)
-        report = run_tests(args.chapter, args.file, selection_args(args), args.verbose and not quiet, args.tasks)
+            print(f"chapter {args.chapter} ({module}): grading {shown} against {course()}", flush=True)
+        report = run_tests(args.chapter, args.file, selection_args(args), args.verbose and not quiet, args.tasks,
+                           test_timeout=args.test_timeout, progress=print_progress)
         if report.results and all(r.outcome == "skipped" for r in report.results):
             # Nothing ran: a CUDA-only task on a CPU, say. A pass would be a lie and a fail unfair.
             reasons = sorted({r.message for r in report.results})
@@ -465,8 +649,8 @@ def main(argv: list[str] | None = None) -> int:
 # ---- check all: every chapter's own exercise file, a row each -------------------
 
 
-def grade_chapter(chapter: int, pytest_args: list[str], tasks: list[int | str] | None = None
-                  ) -> tuple[str, Report, str]:
+def grade_chapter(chapter: int, pytest_args: list[str], tasks: list[int | str] | None = None,
+                  test_timeout: float | None = DEFAULT_TEST_TIMEOUT) -> tuple[str, Report, str]:
     """Grade chapter `chapter`'s chapters/NN-slug/exercise.py as `check N` does.
 
     Returns its status (PASS / FAIL / not started / could not grade), the report,
@@ -482,7 +666,7 @@ def grade_chapter(chapter: int, pytest_args: list[str], tasks: list[int | str] |
         problem = import_error(path)
         if problem is not None:
             raise ImportError(f"{path.relative_to(impl.ROOT)} does not import: {problem}")
-        report = run_tests(chapter, None, pytest_args, tasks=tasks)
+        report = run_tests(chapter, None, pytest_args, tasks=tasks, test_timeout=test_timeout)
     except (ValueError, FileNotFoundError, ImportError) as error:
         return "could not grade", Report(errors=[str(error)], returncode=2), str(error)
     if not report.results and not report.errors:  # e.g. --task 5 in a chapter with four tasks
@@ -531,11 +715,12 @@ def check_all(args: argparse.Namespace) -> int:
         return ("  ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + "  " + note).rstrip()
 
     if not quiet:
+        print(f"grading every chapter against {course()}", flush=True)
         print(row(header + ("note",)), flush=True)
     statuses, reports = [], []
     for number, module in chapters:
         start = time.perf_counter()
-        status, report, note = grade_chapter(number, selection_args(args), args.tasks)
+        status, report, note = grade_chapter(number, selection_args(args), args.tasks, args.test_timeout)
         seconds = time.perf_counter() - start
         statuses.append(status)
         reports.append(dict(json_report(number, report, seconds, graded=status != "could not grade"),
@@ -549,7 +734,8 @@ def check_all(args: argparse.Namespace) -> int:
             print(row((str(number), module, count, status, f"{seconds:.0f}s"), note), flush=True)
     code = 0 if all(status == "PASS" for status in statuses) else 1
     if quiet:
-        print(json.dumps({"exit_status": code, "chapters": reports}, indent=1))
+        print(json.dumps({"exit_status": code, "course_version": minicb.__version__,
+                          "course_date": minicb.__course_date__, "chapters": reports}, indent=1))
     else:
         print(f"\n{statuses.count('PASS')}/{len(statuses)} chapters pass.")
     return code

@@ -1,5 +1,5 @@
 """Grade a folder of submissions: `python -m minicb grade N FILE [FILE ...] [--csv grades.csv] [--timeout S]
-[--full] [-k EXPR]`.
+[--full] [-k EXPR] [--fail-under PCT]`.
 
 For a teacher: every FILE (or every .py file in a folder given instead) is
 graded as chapter N's exercise, the way `python -m minicb check N --file FILE`
@@ -29,6 +29,10 @@ A submission that hangs, crashes or prints garbage costs only its own row.
 The exit code is 0 once every submission has a row, whatever the scores (a
 file that does not import is that student's 0, not a failed run), and 2 for a
 bad argument: an unknown chapter, no files, a path that does not exist.
+With `--fail-under PCT` (for a CI run that should fail on a failing class) it
+is 1 when any one submission scores below PCT percent of its tests (score/max;
+a submission that could not be graded or timed out scores 0), naming them; the
+CSV is written either way.
 """
 from __future__ import annotations
 
@@ -237,16 +241,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds one submission may take, start-up included (default 600)")
     parser.add_argument("--full", action="store_true", help="run the slow tests too (the real model), as check --full")
     parser.add_argument("-k", dest="keyword", help="only run tests matching this pytest -k expression, as check -k")
+    parser.add_argument("--fail-under", type=float, metavar="PCT",
+                        help="exit 1 when any submission scores below PCT percent of its tests (0-100; one "
+                             "that could not be graded or timed out scores 0)")
     return parser
 
 
+def percent(row: Row) -> float:
+    """A row's score as a percentage of its tests; 0 when nothing was graded."""
+    return 100.0 * row.score / row.max if row.max else 0.0
+
+
+def below(rows: list[Row], threshold: float) -> list[Row]:
+    """The rows scoring under `threshold` percent (`--fail-under`)."""
+    return [row for row in rows if percent(row) < threshold]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 every submission has a row (whatever its score), 2 a bad argument."""
+    """Exit codes: 0 every submission has a row (whatever its score; with --fail-under, every score at
+    least that), 1 with --fail-under, a submission scores below it, 2 a bad argument."""
     args = build_parser().parse_args(argv)
     try:
         impl.module_for_chapter(args.chapter)  # raises ValueError naming the chapters that have exercises
         if not args.timeout > 0:
             raise ValueError(f"--timeout {args.timeout:g}: give a number of seconds above 0")
+        if args.fail_under is not None and not 0 <= args.fail_under <= 100:
+            raise ValueError(f"--fail-under {args.fail_under:g}: give a percentage from 0 to 100")
         files = submissions(args.files)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -271,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + format_rows(rows, width))
     counts = ", ".join(f"{sum(r.outcome == o for r in rows)} {o}" for o in OUTCOMES)
     print(f"\n{len(rows)} submissions: {counts}. Wrote {args.csv}.")
+    if args.fail_under is not None:
+        failing = below(rows, args.fail_under)
+        if failing:
+            names = ", ".join(f"{row.file} ({percent(row):.0f}%)" for row in failing)
+            print(f"--fail-under {args.fail_under:g}: {len(failing)} of {len(rows)} submissions score below "
+                  f"{args.fail_under:g}%: {names}", file=sys.stderr)
+            return 1
+        print(f"every submission scores at least {args.fail_under:g}%.")
     return 0
 
 

@@ -133,6 +133,35 @@ def test_a_report_after_stray_output_is_still_read():
     assert grade._parse_report("Segmentation fault\n") is None
 
 
+
+def test_fail_under_fails_the_run_when_any_submission_scores_below_it(tmp_path, monkeypatch, capsys):
+    # What a CI run over a class needs: exit 1 when one submission is under the bar, naming it.
+    scores = {"alice": grade.Row("", "passed", 10, 10), "bob": grade.Row("", "failed", 6, 10),
+              "carol": grade.Row("", "could-not-grade")}
+    for name in scores:
+        (tmp_path / f"{name}.py").write_text("x = 1\n")
+
+    def grade_one(chapter, path, timeout, check_args):
+        row = scores[path.stem]
+        return grade.Row(str(path), row.outcome, row.score, row.max)
+
+    monkeypatch.setattr(grade, "grade_one", grade_one)
+    csv_path = str(tmp_path / "grades.csv")
+    files = [str(tmp_path / f"{name}.py") for name in ("alice", "bob")]
+    assert grade.main(["3", *files, "--csv", csv_path]) == 0  # no bar: every row written is a success
+    assert grade.main(["3", *files, "--csv", csv_path, "--fail-under", "60"]) == 0  # 60% is not below 60
+    assert "at least 60%" in capsys.readouterr().out
+    assert grade.main(["3", *files, "--csv", csv_path, "--fail-under", "61"]) == 1
+    err = capsys.readouterr().err
+    assert "1 of 2 submissions score below 61%" in err and "bob.py (60%)" in err and "alice" not in err, err
+    assert pathlib.Path(csv_path).is_file(), "the CSV is written even when the run fails"
+    # A submission that could not be graded scores 0, below any bar above 0.
+    assert grade.main(["3", str(tmp_path / "carol.py"), "--csv", csv_path, "--fail-under", "1"]) == 1
+    assert "carol.py (0%)" in capsys.readouterr().err
+    assert grade.main(["3", *files, "--csv", csv_path, "--fail-under", "101"]) == 2
+    assert "--fail-under 101" in capsys.readouterr().err
+
+
 # ---- check all -----------------------------------------------------------------------
 
 
@@ -157,7 +186,7 @@ def test_check_all_prints_a_row_per_chapter_as_it_goes(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "200")  # room for the whole note
     printed_before = {}  # chapter -> what had been printed when its tests started
 
-    def run_tests(chapter, exercise_file=None, pytest_args=(), verbose=False, tasks=None):
+    def run_tests(chapter, exercise_file=None, pytest_args=(), verbose=False, tasks=None, test_timeout=None):
         assert exercise_file is None and list(pytest_args) == ["-m", "not slow"], (exercise_file, pytest_args)
         printed_before[chapter] = capsys.readouterr().out
         return fake_report(chapter)
