@@ -54,6 +54,9 @@ CHAPTERS: dict[str, tuple[int, str]] = {
 }
 
 
+CHAPTER_NUMBERS = frozenset(n for n, _ in CHAPTERS.values())  # the chapters with an exercise
+
+
 def module_for_chapter(chapter: int) -> str:
     for name, (n, _) in CHAPTERS.items():
         if n == chapter:
@@ -134,6 +137,15 @@ def student_modules() -> list[str]:
         return []
     only = only_modules()
     return [m for m in CHAPTERS if only is None or m in only]
+
+
+def student_file(module: str) -> pathlib.Path | None:
+    """The file `load(module)` executes when it hands out a student's code (MINICB_IMPL_FILE or the
+    chapter's exercise.py); None when it hands out the reference."""
+    if module not in student_modules():
+        return None
+    override = os.environ.get("MINICB_IMPL_FILE")
+    return pathlib.Path(override).resolve() if override else exercise_path(module)
 
 
 def load(module: str) -> ModuleType:

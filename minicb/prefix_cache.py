@@ -91,7 +91,7 @@ class PrefixCacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-class CachingBlockAllocator(BlockAllocator):
+class CachingAllocatorBase(BlockAllocator):
     """Chapter 03's allocator, plus a cache of full blocks keyed by their prefix.
 
     Every block is in exactly one of three states:
@@ -148,50 +148,12 @@ class CachingBlockAllocator(BlockAllocator):
             self._ref_counts[block] = 1
         return blocks
 
-    def evict(self) -> int:
-        """Take the least recently freed evictable block out of the cache; return it.
-
-        Its key is dropped first: whoever gets the block will overwrite its K/V,
-        and a lookup must never find the old key pointing at new contents. The
-        block comes back with ref count 0 and no key, owned by nobody; _take
-        hands it out. Raises OutOfBlocksError when nothing is evictable.
-        """
-        if not self._evictable:
-            raise OutOfBlocksError(f"no cached block to evict: all {self.num_blocks} blocks are held "
-                                   f"or plain free ({len(self._free)} plain free)")
-        block, key = self._evictable.popitem(last=False)  # the front: freed longest ago
-        del self._block_of_key[key], self._key_of_block[block]
-        self.stats.evicted_blocks += 1
-        return block
-
-    # ---- lookup at admission ------------------------------------------------------
-
     def _check_tokens(self, token_ids) -> list[int]:
         token_ids = list(token_ids)
         bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)]
         if bad:
             raise TypeError(f"token_ids must be ints; got {bad[:3]!r} among {len(token_ids)} token(s)")
         return token_ids
-
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """The physical blocks (held or evictable) of the longest cached run of leading full blocks.
-
-        At most (len(token_ids) - 1) // block_size blocks: the last token is
-        always left to compute. Changes nothing.
-        """
-        token_ids = self._check_tokens(token_ids)
-        # Cap: at most (len - 1) // block_size blocks, so at least the last token
-        # is computed -- the model needs its logits to sample the first output.
-        # Sharing a full last block and recomputing only its last token would
-        # mean writing into a cached (maybe shared) block, which is never allowed.
-        max_blocks = max(0, len(token_ids) - 1) // self.block_size
-        blocks = []
-        for key in block_keys(token_ids[:max_blocks * self.block_size], self.block_size):
-            block = self._block_of_key.get(key)
-            if block is None:
-                break  # a prefix tree: after the first miss nothing below can match
-            blocks.append(block)
-        return blocks
 
     def num_cached_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens of `token_ids` allocate_prefix would find cached. Changes nothing."""
@@ -212,6 +174,104 @@ class CachingBlockAllocator(BlockAllocator):
 
     def can_allocate_prefix(self, token_ids: list[int]) -> bool:
         return self.free_blocks_needed(token_ids) <= self.num_free_blocks
+
+    def _drop(self, block: int) -> None:
+        """One holder fewer for `block`; with none left it is evictable if it has a key, else plain free.
+
+        Chapter 03's free() calls this for each of a sequence's blocks, tail first:
+        the LRU then evicts a request's last blocks before its first ones, which
+        more requests are likely to share. truncate() (chapter 11) calls it too.
+        """
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            key = self._key_of_block.get(block)
+            if key is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = key  # at the back: the most recently freed
+
+    # ---- queries (cheap, for tests and pictures) -----------------------------------------
+
+    def _check_block(self, block) -> None:
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block!r} does not exist; blocks are 0..{self.num_blocks - 1}")
+
+    def ref_count(self, block: int) -> int:
+        """How many block tables hold `block`."""
+        self._check_block(block)
+        return self._ref_counts[block]
+
+    def block_key(self, block: int) -> int | None:
+        """The key `block` is cached under, or None."""
+        self._check_block(block)
+        return self._key_of_block.get(block)
+
+    def block_with_key(self, key: int) -> int | None:
+        """The physical block cached under `key` (held or evictable), or None."""
+        return self._block_of_key.get(key)
+
+    def cached_free_blocks(self) -> list[int]:
+        """Evictable blocks (ref count 0, key kept), the next one to be evicted first."""
+        return list(self._evictable)
+
+    def shared_blocks(self) -> list[int]:
+        """Blocks held by more than one sequence (ref count > 1), ascending."""
+        return [block for block, count in enumerate(self._ref_counts) if count > 1]
+
+
+class CachingBlockAllocator(CachingAllocatorBase):
+    """Chapter 07's allocator: the given state and helpers above, with the cache's own moves (the
+    exercise's tasks): keying full blocks, looking a prefix up and sharing it, eviction of the least
+    recently freed, and chapter 03's free and append made to keep cached blocks."""
+
+    def free(self, seq_id: int) -> None:
+        """Drop `seq_id`: chapter 03's walk over its blocks, tail first, each through the base's _drop,
+        which makes a keyed block nobody holds evictable (the back of the LRU) instead of plain free."""
+        BlockAllocator.free(self, seq_id)  # named, not super(): a grader copies this method onto other classes
+
+    def append(self, seq_id: int) -> tuple[int, int] | None:
+        """Grow `seq_id` by one token slot: chapter 03's append (copy-on-write included), whose new
+        blocks come from _take (the given base), which evicts the least recently freed cached block
+        when no plain free block is left."""
+        return BlockAllocator.append(self, seq_id)
+
+    def evict(self) -> int:
+        """Take the least recently freed evictable block out of the cache; return it.
+
+        Its key is dropped first: whoever gets the block will overwrite its K/V,
+        and a lookup must never find the old key pointing at new contents. The
+        block comes back with ref count 0 and no key, owned by nobody; _take
+        hands it out. Raises OutOfBlocksError when nothing is evictable.
+        """
+        if not self._evictable:
+            raise OutOfBlocksError(f"no cached block to evict: all {self.num_blocks} blocks are held "
+                                   f"or plain free ({len(self._free)} plain free)")
+        block, key = self._evictable.popitem(last=False)  # the front: freed longest ago
+        del self._block_of_key[key], self._key_of_block[block]
+        self.stats.evicted_blocks += 1
+        return block
+
+    # ---- lookup at admission ------------------------------------------------------
+
+    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """The physical blocks (held or evictable) of the longest cached run of leading full blocks.
+
+        At most (len(token_ids) - 1) // block_size blocks: the last token is
+        always left to compute. Changes nothing.
+        """
+        token_ids = self._check_tokens(token_ids)
+        # Cap: at most (len - 1) // block_size blocks, so at least the last token
+        # is computed -- the model needs its logits to sample the first output.
+        # Sharing a full last block and recomputing only its last token would
+        # mean writing into a cached (maybe shared) block, which is never allowed.
+        max_blocks = max(0, len(token_ids) - 1) // self.block_size
+        blocks = []
+        for key in block_keys(token_ids[:max_blocks * self.block_size], self.block_size):
+            block = self._block_of_key.get(key)
+            if block is None:
+                break  # a prefix tree: after the first miss nothing below can match
+            blocks.append(block)
+        return blocks
 
     def allocate_prefix(self, seq_id: int, token_ids: list[int]) -> int:
         """Register `seq_id` holding `token_ids`, sharing its cached prefix; return num_cached_tokens.
@@ -289,49 +349,6 @@ class CachingBlockAllocator(BlockAllocator):
         return registered
 
     # ---- freeing: cached blocks stay, evictable ------------------------------------------
-
-    def _drop(self, block: int) -> None:
-        """One holder fewer for `block`; with none left it is evictable if it has a key, else plain free.
-
-        Chapter 03's free() calls this for each of a sequence's blocks, tail first:
-        the LRU then evicts a request's last blocks before its first ones, which
-        more requests are likely to share. truncate() (chapter 11) calls it too.
-        """
-        self._ref_counts[block] -= 1
-        if self._ref_counts[block] == 0:
-            key = self._key_of_block.get(block)
-            if key is None:
-                self._free.append(block)
-            else:
-                self._evictable[block] = key  # at the back: the most recently freed
-
-    # ---- queries (cheap, for tests and pictures) -----------------------------------------
-
-    def _check_block(self, block) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
-            raise IndexError(f"block {block!r} does not exist; blocks are 0..{self.num_blocks - 1}")
-
-    def ref_count(self, block: int) -> int:
-        """How many block tables hold `block`."""
-        self._check_block(block)
-        return self._ref_counts[block]
-
-    def block_key(self, block: int) -> int | None:
-        """The key `block` is cached under, or None."""
-        self._check_block(block)
-        return self._key_of_block.get(block)
-
-    def block_with_key(self, key: int) -> int | None:
-        """The physical block cached under `key` (held or evictable), or None."""
-        return self._block_of_key.get(key)
-
-    def cached_free_blocks(self) -> list[int]:
-        """Evictable blocks (ref count 0, key kept), the next one to be evicted first."""
-        return list(self._evictable)
-
-    def shared_blocks(self) -> list[int]:
-        """Blocks held by more than one sequence (ref count > 1), ascending."""
-        return [block for block, count in enumerate(self._ref_counts) if count > 1]
 
 
 # ---- demo --------------------------------------------------------------------------------

@@ -197,7 +197,13 @@ class StepResult:
         self.new_tokens.append((completion, token))
 
 
-class Scheduler:
+class SchedulerBase:
+    """The scheduler's state and its given helpers: the queues and slots, requests in (add, check_request,
+    abort), one step's frame (schedule) and its one rule (tokens_to_compute), and the moves of a
+    sequence between queues (put, take_slot, fork, preempt, finish). It decides nothing: the
+    decisions of a step are `Scheduler`'s, below, and chapter 06's exercise starts from this class.
+    """
+
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_model_len: int,
                  eos_token_ids: list[int], max_num_batched_tokens: int = 2048, watermark: float = 0.01,
                  speculator=None, seq_ids: Iterator[int] | None = None):
@@ -288,6 +294,106 @@ class Scheduler:
         """
         return num_remaining if num_remaining <= budget or step_is_empty else 0
 
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Chapter 11: draft tokens for a decoding request, none past its max_tokens, its context or `budget - 1`."""
+        if self.speculator is None:
+            return []
+        max_drafts = min(budget - 1,
+                         seq.params.max_tokens - len(seq.output_token_ids) - 1,  # the step adds drafts + 1
+                         self.max_model_len - seq.num_tokens)  # the last draft's position must exist
+        return self.speculator.propose(seq.token_ids, max_drafts)
+
+    def slots_promised(self) -> int:
+        """Slots taken or promised: every running sequence's, and its siblings' that will fork from it."""
+        return sum(1 + seq.siblings_to_come for seq in self.running)
+
+    # ---- the helpers of one step ----------------------------------------------------------
+
+    def put(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        """Schedule `num_new` tokens of `seq` in this step (a decode's drafts are already in out)."""
+        (out.decodes if seq.is_decoding else out.prefills).append(seq)
+        out.num_scheduled[seq.seq_id] = num_new
+        # Chapter 07: the full blocks whose tokens are all computed by the end of this
+        # step get their keys now, so a request admitted later in this same step
+        # already shares them. That is safe: in the forward every layer writes the
+        # step's K/V before any attention reads it. (The plain allocator keys nothing.)
+        self.allocator.cache_full_blocks(seq.seq_id, seq.token_ids[:seq.num_computed_tokens + num_new])
+
+    def take_slot(self, seq: Sequence) -> None:
+        """Put a sequence (admitted, or a forked completion) into the lowest free slot, running."""
+        seq.status = RequestStatus.RUNNING
+        seq.slot = self.slots.index(None)
+        self.slots[seq.slot] = seq
+        self.running.append(seq)
+
+    def fork(self, parent: Sequence, count: int, out: SchedulerOutput) -> list[Sequence]:
+        """Parallel sampling: `count` more completions of `parent`, whose prompt was just computed.
+
+        Each shares all of the parent's blocks (allocator.fork): the prompt is
+        computed once, and the shared last block is copied when a completion first
+        writes into it (chapter 03's copy-on-write). They take the slots promised
+        at admission, and the generators kept in parent.sibling_generators. They are
+        recorded in out.forked. count 0 forks nothing.
+        """
+        if count == 0:
+            return []
+        children = []
+        for completion in range(1, count + 1):
+            child = type(parent)(self.new_seq_id(), list(parent.prompt_token_ids), parent.params,
+                                 arrival_time=parent.arrival_time, num_computed_tokens=parent.num_computed_tokens,
+                                 num_cached_tokens=parent.num_cached_tokens, request_id=parent.request_id,
+                                 completion=completion, forked=True,
+                                 generator=parent.sibling_generators[completion - 1])
+            self.allocator.fork(parent.seq_id, child.seq_id)
+            self.take_slot(child)
+            out.forked.append(child)
+            children.append(child)
+        parent.forked, parent.sibling_generators = True, []
+        return children
+
+    # ---- moving sequences between the queues --------------------------------------
+
+    # The step's decisions call preempt() and finish(); _release() is theirs alone.
+    def _release(self, seq: Sequence) -> None:
+        """Give a running sequence's blocks back to the allocator and empty its slot."""
+        self.allocator.free(seq.seq_id)
+        self.running.remove(seq)
+        self.slots[seq.slot] = None
+        seq.slot = None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Send a running sequence back to the FRONT of the queue, dropping its K/V.
+
+        Recompute, not swap: its blocks are freed and its slot emptied. Its
+        outputs so far are kept, and on re-admission prompt + outputs are
+        computed again (num_computed_tokens goes back to 0, or to what the prefix
+        cache still holds), under the same rule as any prompt: whole in chapter
+        06, in chunks under chapter 08's. Counts the
+        preemption in seq.num_preemptions. The caller records it in out.preempted.
+        """
+        self._release(seq)
+        seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence for good: "stop", "length" or "abort".
+
+        A running sequence gives back its slot and blocks at once; a waiting one
+        leaves the queue. Afterwards the scheduler holds nothing of it. The caller
+        sets seq.finish_time if it wants one.
+        """
+        if seq.status == RequestStatus.RUNNING:
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
+
+
+class Scheduler(SchedulerBase):
+    """Chapter 06's decisions of one step: the running requests first (schedule_running, grow), then
+    admissions from the queue (admit), and after the forward, what the step did (postprocess)."""
+
     def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its tokens under the budget, decodes first; returns the budget left.
 
@@ -313,15 +419,6 @@ class Scheduler:
             self.put(seq, num_new, out)
             budget -= num_new
         return budget
-
-    def propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Chapter 11: draft tokens for a decoding request, none past its max_tokens, its context or `budget - 1`."""
-        if self.speculator is None:
-            return []
-        max_drafts = min(budget - 1,
-                         seq.params.max_tokens - len(seq.output_token_ids) - 1,  # the step adds drafts + 1
-                         self.max_model_len - seq.num_tokens)  # the last draft's position must exist
-        return self.speculator.propose(seq.token_ids, max_drafts)
 
     def admit(self, out: SchedulerOutput, budget: int) -> None:
         """Move requests from the front of the queue into free slots while slots, blocks and budget last."""
@@ -393,12 +490,6 @@ class Scheduler:
                         break
         return result
 
-    # ---- the helpers of one step ----------------------------------------------------------
-
-    def slots_promised(self) -> int:
-        """Slots taken or promised: every running sequence's, and its siblings' that will fork from it."""
-        return sum(1 + seq.siblings_to_come for seq in self.running)
-
     def grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make `seq`'s blocks hold `num_tokens` tokens, preempting the newest running request while short.
 
@@ -417,83 +508,3 @@ class Scheduler:
             if copy is not None:
                 out.block_copies.append(copy)
         return True
-
-    def put(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        """Schedule `num_new` tokens of `seq` in this step (a decode's drafts are already in out)."""
-        (out.decodes if seq.is_decoding else out.prefills).append(seq)
-        out.num_scheduled[seq.seq_id] = num_new
-        # Chapter 07: the full blocks whose tokens are all computed by the end of this
-        # step get their keys now, so a request admitted later in this same step
-        # already shares them. That is safe: in the forward every layer writes the
-        # step's K/V before any attention reads it. (The plain allocator keys nothing.)
-        self.allocator.cache_full_blocks(seq.seq_id, seq.token_ids[:seq.num_computed_tokens + num_new])
-
-    def take_slot(self, seq: Sequence) -> None:
-        """Put a sequence (admitted, or a forked completion) into the lowest free slot, running."""
-        seq.status = RequestStatus.RUNNING
-        seq.slot = self.slots.index(None)
-        self.slots[seq.slot] = seq
-        self.running.append(seq)
-
-    def fork(self, parent: Sequence, count: int, out: SchedulerOutput) -> list[Sequence]:
-        """Parallel sampling: `count` more completions of `parent`, whose prompt was just computed.
-
-        Each shares all of the parent's blocks (allocator.fork): the prompt is
-        computed once, and the shared last block is copied when a completion first
-        writes into it (chapter 03's copy-on-write). They take the slots promised
-        at admission, and the generators kept in parent.sibling_generators. They are
-        recorded in out.forked. count 0 forks nothing.
-        """
-        if count == 0:
-            return []
-        children = []
-        for completion in range(1, count + 1):
-            child = type(parent)(self.new_seq_id(), list(parent.prompt_token_ids), parent.params,
-                                 arrival_time=parent.arrival_time, num_computed_tokens=parent.num_computed_tokens,
-                                 num_cached_tokens=parent.num_cached_tokens, request_id=parent.request_id,
-                                 completion=completion, forked=True,
-                                 generator=parent.sibling_generators[completion - 1])
-            self.allocator.fork(parent.seq_id, child.seq_id)
-            self.take_slot(child)
-            out.forked.append(child)
-            children.append(child)
-        parent.forked, parent.sibling_generators = True, []
-        return children
-
-    # ---- moving sequences between the queues --------------------------------------
-
-    # The exercise's methods call preempt() and finish(); _release() is theirs alone.
-    def _release(self, seq: Sequence) -> None:
-        """Give a running sequence's blocks back to the allocator and empty its slot."""
-        self.allocator.free(seq.seq_id)
-        self.running.remove(seq)
-        self.slots[seq.slot] = None
-        seq.slot = None
-
-    def preempt(self, seq: Sequence) -> None:
-        """Send a running sequence back to the FRONT of the queue, dropping its K/V.
-
-        Recompute, not swap: its blocks are freed and its slot emptied. Its
-        outputs so far are kept, and on re-admission prompt + outputs are
-        computed again (num_computed_tokens goes back to 0, or to what the prefix
-        cache still holds), under the same rule as any prompt: whole in chapter
-        06, in chunks under chapter 08's. Counts the
-        preemption in seq.num_preemptions. The caller records it in out.preempted.
-        """
-        self._release(seq)
-        seq.status, seq.num_computed_tokens = RequestStatus.WAITING, 0
-        seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence for good: "stop", "length" or "abort".
-
-        A running sequence gives back its slot and blocks at once; a waiting one
-        leaves the queue. Afterwards the scheduler holds nothing of it. The caller
-        sets seq.finish_time if it wants one.
-        """
-        if seq.status == RequestStatus.RUNNING:
-            self._release(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.status, seq.finish_reason = RequestStatus.FINISHED, reason

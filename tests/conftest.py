@@ -35,13 +35,33 @@ def pytest_configure(config):
         os.environ["MINICB_IMPL"] = choice
 
 
+import re  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from minicb import impl, tasks  # noqa: E402
 from minicb.triton_mode import choose_triton_mode  # noqa: E402
 
 # Before any test module imports triton: interpret its kernels when there is no GPU.
 choose_triton_mode()
+
+
+def pytest_runtest_setup(item):
+    """A graded test of a student's file fails at once, naming the function, when its task's
+    functions are not defined in that file: inherited from a given class, misspelt or deleted
+    (minicb/tasks.py). Otherwise a given base class could answer for the student."""
+    marker = item.get_closest_marker("task")
+    match = re.match(r"test_ch(\d\d)_", item.path.name)
+    if marker is None or not marker.args or match is None or int(match.group(1)) not in impl.CHAPTER_NUMBERS:
+        return
+    chapter = int(match.group(1))
+    path = impl.student_file(impl.module_for_chapter(chapter))
+    if path is None:
+        return  # the reference runs
+    missing = tasks.missing_functions(path, chapter, marker.args[0])
+    if missing:
+        pytest.fail(tasks.missing_message(chapter, marker.args[0], missing), pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -107,27 +127,6 @@ def chapter01_answers(smollm2):
 
 # ---- chapters 06 on: each task graded on its own -----------------------------------
 
-# The exercise's functions and methods, by task (chapters/NN-slug/exercise.py).
-TASK_FUNCTIONS = {
-    "scheduler": {1: ["Scheduler.admit"], 2: ["Scheduler.postprocess"],
-                  3: ["Scheduler.schedule_running", "Scheduler.grow"]},
-    "prefix_cache": {
-        1: ["block_keys", "CachingBlockAllocator.cache_full_blocks"],
-        2: ["CachingBlockAllocator.cached_prefix", "CachingBlockAllocator.allocate_prefix"],
-        3: ["CachingBlockAllocator.evict", "CachingBlockAllocator.free"],
-        4: ["CachingBlockAllocator.append"],
-    },
-    "chunked_prefill": {
-        1: ["chunk_size", "ChunkedScheduler.tokens_to_compute"],
-        2: ["offset_causal_mask", "chunk_attention"],
-        3: ["chunk_attention_triton"],
-    },
-    "serve.loop": {1: ["group_step"], 2: ["take_commands", "apply_commands"]},
-    "cuda_graphs": {1: ["batch_buckets", "smallest_bucket"], 2: ["pad_decode_inputs"]},
-    "speculative": {1: ["propose_ngram"], 2: ["accept_greedy", "rejection_sample"], 3: ["rollback"]},
-}
-
-
 @pytest.fixture
 def one_task(request, monkeypatch):
     """Run a test on the graded module's code for the test's own task, with the
@@ -155,8 +154,9 @@ def one_task(request, monkeypatch):
         return
     module = types.SimpleNamespace(**vars(graded))
     classes: dict[str, dict] = {}
-    for other, functions in TASK_FUNCTIONS[name].items():
-        if other == task:
+    # The chapter's functions by task, read off its stubs (minicb/tasks.py): one source for this and the grader.
+    for other, functions in tasks.task_functions(impl.CHAPTERS[name][0]).items():
+        if other == str(task):
             continue
         for qualname in functions:
             owner, _, function = qualname.rpartition(".")

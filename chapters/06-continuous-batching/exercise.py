@@ -18,18 +18,21 @@ One step is the given `schedule()`:
 
 and, after the engine's forward and sampling, your `postprocess()` (task 2).
 
-Given, in the class below (each is described in the Scheduler docstring): the
-Sequence record and its RequestStatus, the queues (add, abort, check_request),
-the one rule `tokens_to_compute`, and the helpers `put`, `take_slot`, `fork`,
-`slots_promised`, `preempt` and `finish`.
+Given, in `minicb.scheduler.SchedulerBase`, the class below inherits from (each
+is described in the Scheduler docstring): the Sequence record and its
+RequestStatus, the queues (add, abort, check_request), the one rule
+`tokens_to_compute`, and the helpers `put`, `take_slot`, `fork`,
+`slots_promised`, `preempt` and `finish`. It holds none of your four methods:
+`check 6` grades only what this file defines, and a task whose method is
+missing or misspelt fails, naming it.
 """
 from minicb.block_allocator import BlockAllocator  # noqa: F401  # given
 from minicb.sampling import SamplingParams, finish_reason  # noqa: F401  # given
 from minicb.scheduler import RequestRejected, RequestStatus, SchedulerOutput, Sequence, StepResult  # noqa: F401  # given
-from minicb.scheduler import Scheduler as _GivenScheduler
+from minicb.scheduler import SchedulerBase  # given: the state and helpers, none of your four methods
 
 
-class Scheduler(_GivenScheduler):
+class Scheduler(SchedulerBase):
     """The given queues and helpers, with the decisions of one step left to you.
 
     State you will use: self.waiting (a deque, front = next), self.running (a list

@@ -9,7 +9,9 @@ tests/chapters/test_ch07_prefix_cache.py (the pool alone) and tests/chapters/tes
     MINICB_IMPL=student MINICB_IMPL_ONLY=prefix_cache python -m minicb bench --workload shared-prefix \
         --engines minicb-continuous,minicb-prefix-cache       # the benchmark, on your pool
 
-Given, in the class below (you call them; you do not write them):
+Given, in `minicb.prefix_cache.CachingAllocatorBase`, the class below inherits
+from (you call them; you do not write them; it holds none of your methods, and
+`check 7` grades only what this file defines):
 - the state: `_block_of_key` (key -> block) and `_key_of_block` (block -> key), the
   cache, held and evictable blocks alike; `_evictable`, an OrderedDict block -> key,
   least recently freed first; `stats`, a PrefixCacheStats (query_tokens,
@@ -43,7 +45,8 @@ from __future__ import annotations
 
 # given: the errors the tests expect, and the statistics record
 from minicb.block_allocator import OutOfBlocksError, UnknownSequenceError  # noqa: F401
-from minicb.prefix_cache import CachingBlockAllocator as _GivenCachingBlockAllocator
+# given: the cache's state and helpers (_take, _check_tokens, ref_count, ...), none of your methods
+from minicb.prefix_cache import CachingAllocatorBase
 from minicb.prefix_cache import PrefixCacheStats  # noqa: F401
 
 
@@ -56,7 +59,7 @@ def block_keys(token_ids: list[int], block_size: int) -> list[int]:
         "Chapter 7, task 1: block_keys() — see chapters/07-prefix-caching/README.md#task-1")
 
 
-class CachingBlockAllocator(_GivenCachingBlockAllocator):
+class CachingBlockAllocator(CachingAllocatorBase):
     """Chapter 03's allocator, plus a cache of full blocks keyed by their prefix.
 
     Every block is held (ref count > 0), evictable (ref count 0, keyed, in

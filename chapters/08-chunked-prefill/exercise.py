@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch  # noqa: F401  # you will need it
 
-from minicb.chunked_prefill import ChunkedScheduler as _GivenChunkedScheduler
+from minicb.scheduler import Scheduler  # given: chapter 06's whole loop, with chapter 06's rule
 
 # Task 3 writes a Triton kernel. Under `check 8` (and the notebooks) Triton is already
 # set up to run interpreted on a CPU; run on your own, this chooses first.
@@ -67,10 +67,11 @@ def chunk_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         "Chapter 8, task 3: chunk_attention_triton() — see chapters/08-chunked-prefill/README.md#task-3")
 
 
-class ChunkedScheduler(_GivenChunkedScheduler):
+class ChunkedScheduler(Scheduler):
     """Chapter 06's scheduler with its one rule changed: a prompt may be cut to the budget.
 
-    Given (inherited): the whole loop. schedule() calls self.schedule_running(out,
+    Given (inherited from chapter 06's Scheduler): the whole loop, and chapter 06's rule
+    (whole or wait), which your tokens_to_compute replaces. schedule() calls self.schedule_running(out,
     self.max_num_batched_tokens), which goes through the running requests, decodes
     first, and returns the budget left; then self.admit(out, budget), which takes
     requests from the front of the queue. For each request both ask

@@ -107,6 +107,23 @@ def test_propose_ngram_against_an_oracle_on_random_contexts():
     check_proposals(cases)
 
 
+@pytest.mark.task(1)
+def test_propose_ngram_matches_token_ids_not_their_text():
+    # Token ids of several digits, whose decimal strings sit inside each other: a lookup that
+    # compares joined text ("21 2" contains "1 2", "11,2" contains "1,2") finds matches that
+    # are not there. The ids are whole symbols.
+    check_proposals([([21, 2, 5, 1, 2], 2, 3, []), ([11, 2, 7, 1, 2], 2, 2, []), ([1, 12, 9, 1, 2], 2, 2, []),
+                     ([3, 112, 4, 3, 11], 2, 2, []), ([12, 1, 5, 2, 1], 1, 2, [5, 2])])
+    rng = random.Random(12)
+    alphabet = [1, 2, 11, 12, 21, 112, 121, 211]  # every string here is inside some other one
+    cases = []
+    for _ in range(400):
+        token_ids = [rng.choice(alphabet) for _ in range(rng.randint(2, 14))]
+        n, k = rng.randint(1, 3), rng.randint(1, 4)
+        cases.append((token_ids, n, k, lookup_oracle(token_ids, n, k)))
+    check_proposals(cases)
+
+
 # ---- task 2: greedy verification -------------------------------------------------------------
 
 
@@ -228,6 +245,26 @@ def test_the_correction_comes_from_max_of_zero_and_p_minus_q():
     answers = sample_many(p, [0], q, trials=50)
     assert all(len(a) == 2 and a[0] == 0 for a in answers), (
         f"draft 0 has p(0)/q(0) = 4, so it must always be accepted; got {[a for a in answers if a[0] != 0][:3]}")
+
+
+@pytest.mark.task(2)
+def test_each_draft_draws_its_own_uniform():
+    # Two point-mass drafts, each with p(x) = 0.5: each is kept with probability 0.5, on its own
+    # coin. So 0, 1 and 2 drafts are kept a half, a quarter and a quarter of the time. One
+    # uniform reused for both drafts keeps both whenever it keeps the first: half the time.
+    p = rows([0.5, 0.3, 0.2, 0.0], [0.0, 0.5, 0.3, 0.2], [0.25, 0.25, 0.25, 0.25])
+    trials = 2000
+    answers = sample_many(p, [0, 1], one_hot([0, 1], 4), trials=trials)
+    # Drafts kept = the leading tokens equal to the drafts (a correction never equals its point-mass draft).
+    kept = [next((i for i, (token, draft) in enumerate(zip(a, [0, 1])) if token != draft), min(len(a) - 1, 2))
+            for a in answers]
+    counts = [kept.count(i) for i in range(3)]
+    want = [trials / 2, trials / 4, trials / 4]
+    # A binomial count's spread here is at most sqrt(2000 * 0.25) ~ 22; 5 of them is generous.
+    off = [(i, c, w) for i, (c, w) in enumerate(zip(counts, want)) if abs(c - w) > 5 * (trials * 0.25) ** 0.5]
+    assert not off, (f"drafts kept 0 / 1 / 2 times in {counts} of {trials} runs; want about {want}. Each draft "
+                     f"needs a fresh uniform from the generator: one draw shared by every draft keeps whole runs "
+                     f"far too often")
 
 
 @pytest.mark.task(2)

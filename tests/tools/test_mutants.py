@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from minicb import check, impl
+from minicb import check, impl, tasks
+from minicb.block_allocator import BlockAllocator
 
 pytestmark = pytest.mark.slow  # one pytest run per mutant: a few minutes in all
 
@@ -42,6 +43,21 @@ class Mutant:
     # (chapter 08's kernel: the reference hands the chunk to a shared kernel instead).
     source: str = ""
 
+
+# Prompt lookup written over text: the ids joined by spaces, the last n searched for as a string.
+# With ids of one digit it agrees with the token-level lookup; with more, "1 2" sits inside "21 2".
+TEXT_LOOKUP = """
+def propose_ngram(token_ids, n, k):
+    if len(token_ids) <= n:
+        return []
+    text = " ".join(str(t) for t in token_ids)
+    tail = " ".join(str(t) for t in token_ids[-n:])
+    at = text.rfind(tail, 0, len(text) - 2)  # an occurrence that starts before the tail itself
+    if at < 0:
+        return []
+    after = text[:at + len(tail)].count(" ") + 1  # the index of the token after the match
+    return token_ids[after:after + k]
+"""
 
 # The exercises' own wrapper, so the reference loop runs the mutated run_batch.
 RUN_STATIC_WRAPPER = """
@@ -215,8 +231,10 @@ MUTANTS = [
     # (free drops each block through _drop, which truncate, chapter 11, shares: the bug sits there.)
     Mutant(7, 3, "free sends cached blocks to the plain free list, losing the cache", "CachingBlockAllocator._drop",
            [("if key is None:", "if True:")]),
+    # The reference's append is chapter 03's (its blocks come from the cache's _take): a student writes it out.
     Mutant(7, 4, "append writes into a shared partial block instead of copying it", "CachingBlockAllocator.append",
-           [("elif self._ref_counts[table[-1]] > 1:", "elif False:")]),
+           [("elif self._ref_counts[table[-1]] > 1:", "elif False:")],
+           source=textwrap.dedent(inspect.getsource(BlockAllocator.append))),
     Mutant(7, 2, "the lookup steps over a missing block and keeps counting later hits, so the hit has a hole",
            "CachingBlockAllocator.cached_prefix", [("break  # a prefix tree", "continue  # a prefix tree")]),
     Mutant(7, 1, "block_keys leaves out a last block that is exactly full", "block_keys",
@@ -341,6 +359,13 @@ MUTANTS = [
            recompile=SPECULATOR_GIVEN),
     Mutant(11, 3, "rollback steps the computed count back but truncates the slots to the old count", "rollback",
            [("seq.num_computed_tokens - num_rejected)", "seq.num_computed_tokens)")], recompile=SPECULATOR_GIVEN),
+    # Two slips found by hand, each passed by the grader before a test was written for its kind.
+    Mutant(11, 1, "prompt lookup matches the token ids' joined text, so '1 2' is found inside '21 2'",
+           "propose_ngram", [], source=TEXT_LOOKUP, recompile=SPECULATOR_GIVEN),
+    Mutant(11, 2, "rejection sampling draws one uniform for all of a step's drafts", "rejection_sample",
+           [("        u = torch.rand((), generator=generator, device=p.device)\n", ""),
+            ("    tokens = []\n", "    tokens = []\n    u = torch.rand((), generator=generator)  # one for all\n")],
+           recompile=SPECULATOR_GIVEN),
 ]
 
 
@@ -377,9 +402,24 @@ def mutant_source(mutant: Mutant) -> str:
     # chapter 11's BlockAllocator, does not break the definition.
     lines = ["from __future__ import annotations", "", f"import minicb.{module} as _reference",
              "globals().update({k: v for k, v in vars(_reference).items() if not k.startswith('__')})", ""]
-    if owner:
-        lines += [f"class {owner}(_reference.{owner}):", textwrap.indent(source, "    ")]
-    else:
+    # A submission defines every task's functions (the grader fails a task whose function the file
+    # lacks, minicb/tasks.py), so the reference's own, unchanged, stand beside the mutated one: the
+    # mutant must be caught by a test of what it does, not by a missing name.
+    given: dict[str, list[str]] = {}
+    for names in tasks.task_functions(mutant.chapter).values():
+        for qualname in names:
+            cls, _, function = qualname.rpartition(".")
+            if qualname != mutant.target and function not in mutant.recompile:
+                given.setdefault(cls, []).append(function)
+    def reference_source(cls: str, function: str) -> str:
+        code = inspect.getattr_static(getattr(reference, cls), function) if cls else getattr(reference, function)
+        return textwrap.dedent(inspect.getsource(code.fget if isinstance(code, property) else code))
+    lines += [reference_source("", function) for function in given.pop("", [])]
+    for cls in sorted(set(given) | ({owner} if owner else set())):
+        body = [reference_source(cls, function) for function in given.get(cls, [])]
+        body += [source] if cls == owner else []
+        lines += [f"class {cls}(_reference.{cls}):", textwrap.indent("\n".join(body), "    ")]
+    if not owner:
         lines += [source]
     lines += [textwrap.dedent(inspect.getsource(getattr(reference, name))) for name in mutant.recompile]
     return "\n".join(lines) + "\n" + mutant.extra
