@@ -18,30 +18,14 @@ import ast
 import inspect
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pytest
 
 from minicb import check, impl, tasks
 from minicb.block_allocator import BlockAllocator
+from mutant_support import Mutant
 
 pytestmark = pytest.mark.slow  # one pytest run per mutant: a few minutes in all
-
-
-@dataclass
-class Mutant:
-    chapter: int
-    task: int
-    bug: str  # what a student got wrong, in words
-    target: str  # "function" or "Class.method" of the chapter's reference module
-    edits: list[tuple[str, str]]  # (old, new) text replacements in the target's source
-    extra: str = ""  # more source for the file, e.g. a given wrapper that must call the mutated function
-    # Reference functions to define again in the mutant's file, unchanged, so that they
-    # call the mutated function (a copied function still calls the reference's).
-    recompile: tuple[str, ...] = ()
-    # Source of a student's own solution to mutate instead of the reference's `target`
-    # (chapter 08's kernel: the reference hands the chunk to a shared kernel instead).
-    source: str = ""
 
 
 # Prompt lookup written over text: the ids joined by spaces, the last n searched for as a string.
@@ -369,6 +353,13 @@ MUTANTS = [
 ]
 
 
+# Later kinds, in files of their own (each a list of Mutant): chapters 01-05 and 06-11.
+from mutants_ch01_05 import MUTANTS as EARLY_CHAPTERS  # noqa: E402
+from mutants_ch06_11 import MUTANTS as LATE_CHAPTERS  # noqa: E402
+
+MUTANTS += EARLY_CHAPTERS + LATE_CHAPTERS
+
+
 def code_of(source: str) -> str:
     """The code of `source` without its docstrings and comments, to compare two versions."""
     tree = ast.parse(source)
@@ -463,6 +454,9 @@ def test_check_fails_the_mutant(mutant, grades):
     failed = [r for r in report.results if r.outcome == "failed"]
     assert failed, (f"check {mutant.chapter} passed a submission whose task {mutant.task} has a bug: "
                     f"{mutant.bug} ({len(report.results)} tests ran)")
+    # A file that lacks a task function fails on the name alone (minicb/tasks.py): that proves nothing here.
+    caught = [r for r in failed if "does not define" not in r.message]
+    assert caught, f"only the grader's name check failed this mutant, no test of what it does: {failed[0].message}"
 
 
 def test_the_unmutated_reference_passes(tmp_path):
