@@ -115,7 +115,10 @@ class Engine:
         code, or a student's where MINICB_IMPL says so. Everything the engine is
         made of is built here, once.
         """
-        self.model, self.config = model, config or EngineConfig()
+        if parts is not None and config is not None and parts.config is not config:
+            raise ValueError("Engine(model, config, parts): parts were made from another EngineConfig; pass "
+                             "parts alone (the engine takes parts.config) or make them from this config")
+        self.model, self.config = model, config or (parts.config if parts is not None else EngineConfig())
         self.config.validate()  # its fields may have been changed since it was made
         self.parts = parts or EngineParts.from_environment(self.config)
         self.num_blocks = self.parts.num_blocks(model)

@@ -32,8 +32,12 @@ def test_whose_code_the_parts_say_they_ran(monkeypatch):
     assert engine.parts.students() == ["scheduler"], engine.parts.students()
     assert "block_allocator" in engine.parts.references() and "scheduler" not in engine.parts.references()
     # The reference's parts, whatever the environment says.
-    reference = Engine(model, EngineConfig(num_blocks=16), EngineParts.reference(EngineConfig(num_blocks=16)))
+    config = EngineConfig(num_blocks=16)
+    reference = Engine(model, parts=EngineParts.reference(config))
     assert type(reference.scheduler).__module__ == "minicb.scheduler" and reference.parts.students() == []
+    assert reference.config is config, "the engine's settings are its parts'"
+    with pytest.raises(ValueError, match="another EngineConfig"):
+        Engine(model, EngineConfig(num_blocks=16), EngineParts.reference(config))
 
 
 def test_reset_keeps_counting_request_ids_with_new_parts():
