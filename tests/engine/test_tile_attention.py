@@ -5,7 +5,6 @@ it computes each sequence with a dense, masked SDPA over the gathered blocks.
 Without CUDA the kernel runs under the Triton interpreter, so shapes are small.
 """
 import pathlib
-import re
 import subprocess
 import sys
 import textwrap

@@ -10,7 +10,6 @@ and check that the task it belongs to, and only that task, loses it.
 from __future__ import annotations
 
 import ast
-import pathlib
 
 import pytest
 
