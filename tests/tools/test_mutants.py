@@ -391,23 +391,23 @@ def mutant_source(mutant: Mutant) -> str:
     # The reference's own source is compiled as its module compiles it: annotations postponed (every
     # chapter module has the __future__ import), so a name imported only for type checking, such as
     # chapter 11's BlockAllocator, does not break the definition.
-    lines = ["from __future__ import annotations", "", f"import minicb.{module} as _reference",
+    lines = ["from __future__ import annotations", "", "import inspect", f"import minicb.{module} as _reference",
              "globals().update({k: v for k, v in vars(_reference).items() if not k.startswith('__')})", ""]
     # A submission defines every task's functions (the grader fails a task whose function the file
-    # lacks, minicb/tasks.py), so the reference's own, unchanged, stand beside the mutated one: the
-    # mutant must be caught by a test of what it does, not by a missing name.
+    # lacks, minicb/tasks.py), so the reference's own, unchanged, stand beside the mutated one, bound
+    # by name (`admit = _reference.Scheduler.admit`): the grader reads an assignment as a definition,
+    # and a function that calls super() keeps its own class. The mutant must be caught by a test of
+    # what it does, not by a missing name.
     given: dict[str, list[str]] = {}
     for names in tasks.task_functions(mutant.chapter).values():
         for qualname in names:
             cls, _, function = qualname.rpartition(".")
             if qualname != mutant.target and function not in mutant.recompile:
                 given.setdefault(cls, []).append(function)
-    def reference_source(cls: str, function: str) -> str:
-        code = inspect.getattr_static(getattr(reference, cls), function) if cls else getattr(reference, function)
-        return textwrap.dedent(inspect.getsource(code.fget if isinstance(code, property) else code))
-    lines += [reference_source("", function) for function in given.pop("", [])]
+    lines += [f"{function} = _reference.{function}" for function in given.pop("", [])]
     for cls in sorted(set(given) | ({owner} if owner else set())):
-        body = [reference_source(cls, function) for function in given.get(cls, [])]
+        body = [f"{function} = inspect.getattr_static(_reference.{cls}, {function!r})"
+                for function in given.get(cls, [])]
         body += [source] if cls == owner else []
         lines += [f"class {cls}(_reference.{cls}):", textwrap.indent("\n".join(body), "    ")]
     if not owner:
