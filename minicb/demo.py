@@ -74,7 +74,10 @@ def main(args) -> int:
     # Greedy, so both engines must produce the same tokens: any difference in the
     # summary comes from scheduling, never from different answers.
     params = SamplingParams(max_tokens=args.max_tokens)  # greedy
-    print(f"{len(prompts)} chat prompts, {args.max_num_seqs} slots, greedy, max_tokens {args.max_tokens}\n")
+    print(f"{len(prompts)} chat prompts, {args.max_num_seqs} slots, greedy, max_tokens {args.max_tokens}")
+    png = pathlib.Path(args.png).resolve()
+    replacing = " (it replaces the one there: --png PATH writes elsewhere)" if png.exists() else ""
+    print(f"the slot timelines will be drawn to {png}{replacing}\n")
 
     # Static: prompts go in fixed batches of `slots`; each batch runs until its
     # longest answer ends, and finished rows sit idle (the grey in the timeline).
@@ -121,8 +124,7 @@ def main(args) -> int:
         rows[0]["mean latency (s)"], rows[1]["mean latency (s)"]))
 
     # The same two timelines as a picture (docs/results.md shows one).
-    png = pathlib.Path(args.png)
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_side_by_side(static.traces, continuous, path=str(png))
-    print(f"saved {png}  (total {time.perf_counter() - t0:.0f} s)")
+    print(f"wrote the slot timelines to {png}  (total {time.perf_counter() - t0:.0f} s)")
     return 0

@@ -48,7 +48,8 @@ class RequestMetrics:
 
     @property
     def tokens_per_step(self) -> float | None:
-        """Output tokens per decode step (1.0 without speculation); None before any decode step."""
+        """1 + accepted drafts per decode step: each step's own token plus the drafts it accepted (1.0
+        without speculation); None before any decode step."""
         return (self.num_decode_steps + self.num_accepted_tokens) / self.num_decode_steps if self.num_decode_steps \
             else None
 

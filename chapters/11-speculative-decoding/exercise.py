@@ -10,7 +10,7 @@ Run them against this file with
 
 Given, written out below so that they call *your* functions: `verify`, which
 picks greedy or sampled verification for one request, and `Speculator`, the
-object the engine builds from this file (EngineConfig(speculative_ngram=3)) and
+object the engine builds from this file (EngineConfig(speculative_ngram=2)) and
 the scheduler calls: `propose` before a step, `verify` after the forward,
 `rollback` in postprocess. Their docstrings say what each does. The
 scheduler (minicb/scheduler.py) already schedules a decoding request's newest

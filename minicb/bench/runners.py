@@ -103,7 +103,7 @@ class EngineResult:
     busy_slots: float | None = None  # slot-steps holding a live request / all slot-steps
     prefill_tokens: int | None = None  # prompt tokens the forwards computed (minicb's paged engines)
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache instead
-    tokens_per_step: float | None = None  # output tokens per decode step (above 1 only with speculation)
+    tokens_per_step: float | None = None  # 1 + accepted drafts per decode step (above 1 only with speculation)
 
 
 def serve_in_batches(run_batch, requests: list[Request], arrivals: list[float] | None,
