@@ -232,8 +232,8 @@ class SchedulerBase:
     # ---- requests in ------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request, or reject it now if it could never run (it would block the queue forever)."""
-        self.check_request(seq.prompt_token_ids, seq.params)
+        """Queue a request the engine has checked: Engine.check_request, the one place a request's rules
+        are checked, asks check_request below for the scheduler's, before add_request gets here."""
         self.waiting.append(seq)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

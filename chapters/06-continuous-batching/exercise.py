@@ -62,10 +62,9 @@ class Scheduler(SchedulerBase):
     out.is_empty is True while nothing is scheduled in the step yet.
 
     Given helpers:
-    - self.add(seq): queue a new request at the back of self.waiting. It first calls
-      self.check_request(seq.prompt_token_ids, seq.params), which returns None or
-      raises RequestRejected (a ValueError) and queues nothing when the request could
-      never run: an empty prompt ("the prompt is empty"); a prompt as long as the
+    - self.add(seq): queue a new request at the back of self.waiting. The engine has
+      already asked self.check_request(seq.prompt_token_ids, seq.params), which returns
+      None or raises RequestRejected (a ValueError) when the request could never run: an empty prompt ("the prompt is empty"); a prompt as long as the
       model's context or longer (the message says "the model's context is" and
       max_model_len); params.n over max_num_seqs; or prompt + max_tokens needing
       more blocks than the whole pool (the message says "the pool has only N

@@ -122,14 +122,13 @@ def test_preempts_newest_and_requeues_it_first():
 
 @pytest.mark.task(3)
 def test_a_request_that_can_never_finish_is_rejected_up_front():
+    # The engine asks check_request before it queues anything (Engine.check_request); it must refuse:
     s = make(num_blocks=4, block_size=4)
-    with pytest.raises(sched().RequestRejected, match="4 blocks"):
-        s.add(seq(0, prompt_len=10, max_tokens=20))
-    with pytest.raises(sched().RequestRejected, match="empty"):
-        s.add(seq(1, prompt_len=0))
-    with pytest.raises(sched().RequestRejected, match="context"):
-        make(max_model_len=8).add(seq(2, prompt_len=8))
-    assert not s.has_unfinished(), "a rejected request must not be queued"
+    for scheduler, q, match in ((s, seq(0, prompt_len=10, max_tokens=20), "4 blocks"), (s, seq(1, prompt_len=0), "empty"),
+                                (make(max_model_len=8), seq(2, prompt_len=8), "context")):
+        with pytest.raises(sched().RequestRejected, match=match):
+            scheduler.check_request(q.prompt_token_ids, q.params)
+    assert not s.has_unfinished(), "checking a request queues nothing"
     # The boundary: a request that needs the whole pool (10 + 6 tokens = 4 blocks of 4) is
     # accepted, and alone it grows into the last block and finishes without a preemption.
     s.add(seq(3, prompt_len=10, max_tokens=6))
