@@ -141,6 +141,21 @@ def test_cache_refuses_to_overflow(model):
         model(torch.tensor([[8, 9]], device=model.device), torch.tensor([[3, 4]], device=model.device), cache)
 
 
+@pytest.mark.task(2)
+def test_cache_takes_a_forward_that_fills_it_exactly(model):
+    # max_len is a capacity, not a bound to stay under: 3 stored + 1 new = 4 fits a cache of 4.
+    ids = PROMPTS[2][:4]
+    cache = naive.ContiguousKVCache(model, batch_size=1, max_len=4)
+    model(torch.tensor([ids[:3]], device=model.device), torch.arange(3, device=model.device)[None], cache)
+    cache.advance(3)
+    try:
+        got = model(torch.tensor([ids[3:]], device=model.device), torch.tensor([[3]], device=model.device), cache)[0, -1]
+    except RuntimeError as error:
+        raise AssertionError(f"a cache of max_len=4 holding 3 tokens refused a 4th: {error}") from error
+    diff = (got - logits_no_cache(model, ids)[-1]).abs().max().item()
+    assert diff <= 1e-5, f"the token that fills the cache exactly: logits differ from a full recompute by {diff:.2e}"
+
+
 # ---- stopping rules ------------------------------------------------------------
 
 

@@ -229,6 +229,24 @@ def test_a_short_last_batch_leaves_empty_slots(device):
                                      f"(request, phase) per slot got {slots[step]}, want {want}")
 
 
+@pytest.mark.task(3)
+def test_a_full_context_ends_the_batch_at_its_last_column(device):
+    # A 16-token context, prompts of 2 and 10 tokens, max_tokens 100. The 10-token row ends as it
+    # does alone, after 6 tokens (10 + 6 = 16). Left padding put the 2-token row in the same 16
+    # columns, so it ends too, with "length", when the padded cache's last column is filled:
+    # after 16 - 10 + 1 = 7 tokens, the first 7 that chapter 01 gives it alone.
+    model = random_model(tiny_config(eos_token_ids=[], max_position_embeddings=16)).to(device)
+    prompts = [PROMPTS[1], PROMPTS[8][:10]]
+    params = SamplingParams(max_tokens=100)
+    alone = [chapter01.generate_with_cache(model, p, params) for p in prompts]
+    got = static.run_static(model, prompts, params, batch_size=2).generations
+    for row, (n, want) in enumerate([(7, alone[0]), (6, alone[1])]):
+        assert (got[row].token_ids, got[row].finish_reason) == (want.token_ids[:n], "length"), (
+            f"row {row} ({len(prompts[row])}-token prompt) in a batch padded to 10 columns of a 16-token context: "
+            f"want chapter 01's first {n} tokens and 'length', got {len(got[row].token_ids)} tokens and "
+            f"{got[row].finish_reason!r}; {first_difference(got[row].token_ids, want.token_ids[:n])}")
+
+
 # ---- the real model ------------------------------------------------------------
 
 

@@ -280,6 +280,25 @@ def test_prefill_after_store_kv_matches_dense(device):
 
 
 @pytest.mark.task(4)
+def test_prefill_custom_scale(device):
+    # A scale it is given, on every kind of row: a fresh prompt, one after cached tokens, decodes.
+    gen = torch.Generator().manual_seed(5)
+    block_size, n_q_heads, n_kv_heads, head_dim = 4, 6, 2, 16
+    pairs = [(6, 6), (11, 3), (9, 1), (2, 1)]  # (context_len, q_len)
+    lens = [n for n, _ in pairs]
+    keys, values = make_sequences(lens, n_kv_heads, head_dim, gen)
+    k_cache, v_cache, block_tables = build_pool(keys, values, block_size, gen)
+    qs = [torch.randn(q_len, n_q_heads, head_dim, generator=gen) for _, q_len in pairs]
+    cu_seqlens_q = torch.tensor([0, 6, 9, 10, 11], dtype=torch.int32)
+    out = pa.paged_prefill_attention(torch.cat(qs).to(device), k_cache.to(device), v_cache.to(device),
+                                     block_tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
+                                     cu_seqlens_q.to(device), scale=0.3)
+    expected = torch.cat([dense_attention(q, k, v, scale=0.3) for q, k, v in zip(qs, keys, values)])
+    assert_close(out.cpu(), expected, 1e-5, f"paged_prefill_attention with scale=0.3, (context_len, q_len) = {pairs}",
+                 row_names="token")
+
+
+@pytest.mark.task(4)
 @pytest.mark.parametrize("cu,lens,message", [
     ([0, 3, 5], [3, 2, 1], "cu_seqlens_q"),  # 3 entries for 3 sequences
     ([0, 3, 6], [3, 2], "cu_seqlens_q"),  # ends past the 5 query tokens
@@ -338,7 +357,8 @@ def test_store_kv_all_padding_writes_nothing():
     ("slot_len", ValueError, "slot_mapping"),
     ("slot_float", TypeError, "float32"),
     ("slot_too_big", ValueError, "40"),
-], ids=["k_shape", "head_dim", "dtype", "slot_len", "slot_float", "slot_too_big"])
+    ("slot_one_past", ValueError, "20"),  # the pool's 20 slots are 0..19: slot 20 is the first one past it
+], ids=["k_shape", "head_dim", "dtype", "slot_len", "slot_float", "slot_too_big", "slot_one_past"])
 def test_store_kv_rejects_bad_input(change, error, message):
     k_cache = torch.zeros(5, 4, 2, 8)
     k = v = torch.randn(3, 2, 8)
@@ -355,5 +375,7 @@ def test_store_kv_rejects_bad_input(change, error, message):
         slots = slots.float()
     elif change == "slot_too_big":
         slots = torch.tensor([0, 40, 2])
+    elif change == "slot_one_past":
+        slots = torch.tensor([0, 20, 2])
     with pytest.raises(error, match=message):
         pa.store_kv(k, v, k_cache, k_cache.clone(), slots)

@@ -278,6 +278,17 @@ def test_split_k_matches_dense_and_chapter04(block_size, n_kv_heads, group, head
 
 
 @pytest.mark.task(3)
+def test_split_k_custom_scale_and_strided_q(device):
+    q, *rest = random_paged_inputs([9, 16, 1], 6, 2, 64, 8, device=device)
+    wide = torch.zeros(q.shape[0], q.shape[1], 3 * q.shape[2], device=device)  # q as a strided view
+    wide[:, :, 64:128] = q
+
+    def split_k(*a, scale=None):
+        return ta.paged_decode_attention_split_k(*a, scale=scale, num_splits=2)
+    check_attention(split_k, [wide[:, :, 64:128], *rest], scale=0.3)
+
+
+@pytest.mark.task(3)
 @pytest.mark.parametrize("num_splits", [0, -2, 1.5])
 def test_split_k_rejects_bad_num_splits(num_splits, device):
     args = random_paged_inputs([3, 4], 2, 1, 64, 4, device=device)
@@ -307,6 +318,17 @@ def test_prefill_matches_chapter04(device):
     out = ta.paged_prefill_attention(q, k_cache, v_cache, table, lens, cu_seqlens_q)
     expected = chapter04.paged_prefill_attention(q, k_cache, v_cache, table, lens, cu_seqlens_q)
     assert_close(out, expected, 1e-5, "prefill vs chapter 04")
+
+
+@pytest.mark.task(4)
+def test_prefill_custom_scale(device):
+    q_lens, context_lens = [4, 3, 1], [4, 9, 6]  # a fresh prompt, 3 new tokens after 6 cached, a decode
+    _, k_cache, v_cache, table, lens = random_paged_inputs(context_lens, 6, 2, 64, 4, device=device)
+    q = torch.randn(sum(q_lens), 6, 64, generator=torch.Generator().manual_seed(4)).to(device)
+    cu_seqlens_q = torch.tensor([0, 4, 7, 8], dtype=torch.int32, device=device)
+    out = ta.paged_prefill_attention(q, k_cache, v_cache, table, lens, cu_seqlens_q, scale=0.3)
+    expected = chapter04.paged_prefill_attention(q, k_cache, v_cache, table, lens, cu_seqlens_q, scale=0.3)
+    assert_close(out, expected, 1e-5, "prefill with scale=0.3 vs chapter 04")
 
 
 @pytest.mark.task(4)
