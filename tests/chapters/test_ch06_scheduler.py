@@ -124,10 +124,13 @@ def test_preempts_newest_and_requeues_it_first():
 def test_a_request_that_can_never_finish_is_rejected_up_front():
     # The engine asks check_request before it queues anything (Engine.check_request); it must refuse:
     s = make(num_blocks=4, block_size=4)
-    for scheduler, q, match in ((s, seq(0, prompt_len=10, max_tokens=20), "4 blocks"), (s, seq(1, prompt_len=0), "empty"),
-                                (make(max_model_len=8), seq(2, prompt_len=8), "context")):
-        with pytest.raises(sched().RequestRejected, match=match):
-            scheduler.check_request(q.prompt_token_ids, q.params)
+    too_long, empty, whole_context = seq(0, prompt_len=10, max_tokens=20), seq(1, prompt_len=0), seq(2, prompt_len=8)
+    with pytest.raises(sched().RequestRejected, match="4 blocks"):
+        s.check_request(too_long.prompt_token_ids, too_long.params)
+    with pytest.raises(sched().RequestRejected, match="empty"):
+        s.check_request(empty.prompt_token_ids, empty.params)
+    with pytest.raises(sched().RequestRejected, match="context"):
+        make(max_model_len=8).check_request(whole_context.prompt_token_ids, whole_context.params)
     assert not s.has_unfinished(), "checking a request queues nothing"
     # The boundary: a request that needs the whole pool (10 + 6 tokens = 4 blocks of 4) is
     # accepted, and alone it grows into the last block and finishes without a preemption.
