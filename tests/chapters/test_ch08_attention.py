@@ -95,6 +95,15 @@ def test_chunk_attention_triton_equals_the_chunks_rows_of_causal_attention(conte
 
 
 @pytest.mark.task(3)
+def test_chunk_attention_triton_uses_the_scale_it_is_given(device):
+    q_full, k, v = (t.to(device) for t in inputs(6, 4, 2, 8, seed=2))
+    got = cp().chunk_attention_triton(q_full[4:], k, v, scale=0.5)
+    err = (got - oracle(q_full, k, v, scale=0.5)[4:]).abs().max().item()
+    assert err < 1e-4, (f"chunk_attention_triton(..., scale=0.5): max abs error {err:.2e} against causal "
+                        f"attention with scale 0.5 (1/sqrt(head_dim) would be {8 ** -0.5:.3f}); use the scale given")
+
+
+@pytest.mark.task(3)
 def test_chunk_attention_triton_errors(device):
     q_full, k, v = (t.to(device) for t in inputs(6, 4, 2, 8))
     with pytest.raises(ValueError, match="q_len"):
