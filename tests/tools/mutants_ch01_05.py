@@ -6,13 +6,8 @@ of what the code does (test_mutants.py runs them).
 """
 from __future__ import annotations
 
-from mutant_support import Mutant
+from mutant_support import RUN_STATIC_WRAPPER, Mutant
 
-# Chapter 02's given wrapper, so the reference loop runs the mutated run_batch (as in test_mutants.py).
-RUN_STATIC_WRAPPER = """
-def run_static(model, prompts, params, batch_size=16, batch_runner=None):
-    return _reference.run_static(model, prompts, params, batch_size, batch_runner=batch_runner or run_batch)
-"""
 
 MUTANTS: list[Mutant] = [
     # ---- chapter 01: naive generation
