@@ -256,6 +256,38 @@ def test_every_running_request_has_its_token_in_num_scheduled():
 
 
 @pytest.mark.task(3)
+def test_decodes_come_before_a_prompt_still_in_chunks():
+    # Under chapter 08's rule a running request can still be computing its prompt. The decodes go
+    # first: with a budget of 4, two decodes take 2 and the prompt's next chunk gets the other 2.
+    s = cutting(sched().Scheduler)(BlockAllocator(32, 4), 3, 256, [EOS], max_num_batched_tokens=4, watermark=0.0)
+    for rid in (0, 1):
+        s.add(seq(rid, prompt_len=2, max_tokens=8))
+    run_step(s)  # both prompts in one chunk each: they decode from now on
+    s.add(seq(2, prompt_len=12, max_tokens=4))
+    out, _ = run_step(s)  # the two decodes, and a first chunk of 2 of the long prompt
+    out, _ = run_step(s)
+    got = {q.seq_id: out.num_new_tokens(q) for q in out.sequences}
+    assert got == {0: 1, 1: 1, 2: 2}, (f"running requests: decodes first (1 token each), then the prompt still in "
+                                       f"chunks with what is left of the budget of 4; tokens scheduled {got}")
+    assert ids(out.decodes) == [0, 1] and ids(out.prefills) == [2], (ids(out.decodes), ids(out.prefills))
+
+
+@pytest.mark.task(3)
+def test_grow_records_the_copy_on_write_of_a_shared_last_block():
+    # n = 2 forks after the prompt: both completions share its partial last block. The first to
+    # write its next token into it needs its own copy, and the engine must copy the K/V before
+    # the forward: grow records the allocator's (src, dst) in out.block_copies.
+    s = make(num_blocks=16, block_size=4, max_num_seqs=2)
+    s.add(seq(s.new_seq_id(), prompt_len=6, max_tokens=4, n=2))  # 6 tokens: block 1 holds 2 of 4
+    run_step(s)  # the prompt, then the fork: both hold blocks [b0, b1]
+    shared = s.allocator.block_table(s.running[0].seq_id)[-1]
+    out, _ = run_step(s)
+    assert len(out.block_copies) == 1 and out.block_copies[0][0] == shared, (
+        f"one completion must copy the shared partial block {shared} before writing into it (the other then "
+        f"holds it alone); out.block_copies is {out.block_copies}: record each pair allocator.append returns")
+
+
+@pytest.mark.task(3)
 def test_a_decode_waits_when_the_budget_is_spent():
     # A 2-token prompt with n = 3 on a budget of 2: its prompt fits, and it forks into
     # three completions. From then on three sequences decode, and only two tokens fit a step.

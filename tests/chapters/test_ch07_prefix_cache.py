@@ -222,6 +222,19 @@ def test_lru_evicts_the_least_recently_freed_block_first():
 
 
 @pytest.mark.task(3)
+def test_free_gives_a_sequences_blocks_back_last_block_first():
+    # Tail first: the LRU then evicts a request's last blocks before its first ones, which later
+    # requests starting the same way are the most likely to share.
+    allocator = pc().CachingBlockAllocator(num_blocks=4, block_size=4)
+    admit(allocator, 0, list(range(10, 22)))  # three full, cached blocks
+    table = allocator.block_table(0)
+    allocator.free(0)
+    got = allocator.cached_free_blocks()
+    assert got == table[::-1], (f"free must drop the blocks last first, so the last block is the first to be "
+                                f"evicted: evictable order {got}, want {table[::-1]} (the table was {table})")
+
+
+@pytest.mark.task(3)
 def test_plain_free_blocks_go_before_cached_ones():
     allocator = pc().CachingBlockAllocator(num_blocks=3, block_size=4)
     admit(allocator, 0, [1, 1, 1, 1, 2])  # block 0 cached, block 1 partial

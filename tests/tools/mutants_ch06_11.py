@@ -90,4 +90,12 @@ MUTANTS: list[Mutant] = [
     Mutant(11, 2, "greedy verification adds no bonus token when every draft is accepted", "accept_greedy",
            [("    tokens.append(argmax[len(tokens)])", "    if len(tokens) < len(draft_token_ids):\n"
              "        tokens.append(argmax[len(tokens)])")], recompile=SPECULATOR_GIVEN),
+    # Three the grader passed until a test of their kind was written (test_ch06_scheduler.py, test_ch07_prefix_cache.py).
+    Mutant(6, 3, "grow makes the copy-on-write copy but does not record it for the engine", "Scheduler.grow",
+           [("            out.block_copies.append(copy)", "            pass")]),
+    Mutant(6, 3, "schedule_running serves the requests still in their prompt before the decodes",
+           "Scheduler.schedule_running", [("enumerate(decoding + prefilling)", "enumerate(prefilling + decoding)")]),
+    Mutant(7, 3, "free gives a sequence's blocks back first block first, so the LRU evicts its prefix first",
+           "CachingBlockAllocator.free", [("for block in reversed(table):", "for block in table:")],
+           source=textwrap.dedent(inspect.getsource(BlockAllocator.free))),
 ]
