@@ -1,7 +1,7 @@
 # minicb: two commands do everything.
 #   make demo   set up .venv (first time only) and run the demo
 #   make test   set up .venv (first time only) and run the whole suite, notebooks included
-# Other targets: setup, mutants, notebooks, bench, browser-check, dashboard-check, gpu-bundle, gpu-check, clean.
+# Other targets: setup, grader-check, notebooks, bench, browser-check, dashboard-check, gpu-bundle, gpu-check, clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +19,7 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 # Per-notebook time limit (seconds) when the suite executes notebooks/*.ipynb.
 NOTEBOOK_TIMEOUT ?= 300
 
-.PHONY: setup demo test mutants notebooks bench browser-check dashboard-check gpu-bundle gpu-check clean
+.PHONY: setup demo test grader-check notebooks bench browser-check dashboard-check gpu-bundle gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,10 +58,11 @@ test: setup
 		echo "browser-check and dashboard-check skipped (no /usr/bin/chromium, or MINICB_BROWSER_CHECK=0); make browser-check installs Chromium and runs it"; \
 	fi
 
-# Every planted bug of tests/tools/test_mutants.py, the later kinds too (make test grades
-# the first of each chapter's later kinds): a grade per mutant, some minutes.
-mutants: setup
-	MINICB_MUTANTS=all $(PY) -m pytest tests/tools/test_mutants.py -p no:cacheprovider -q
+# The grader, graded at length (outside make test's time): every planted bug of
+# tests/tools/test_mutants.py, the later kinds too, and the previous release's solutions
+# against today's tests (tests/tools/test_changelog.py). A grade per file: ten minutes or more.
+grader-check: setup
+	MINICB_GRADER_CHECKS=all $(PY) -m pytest tests/tools/test_mutants.py tests/tools/test_changelog.py -p no:cacheprovider -q
 
 notebooks: setup
 	$(VENV)/bin/jupyter lab notebooks/

@@ -27,10 +27,15 @@ def without(source: str, qualname: str, rename: str | None = None) -> str:
     found = False
     for scope in scopes:
         for node in list(scope.body):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            defined = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
+            # A solution may bind a function by name (`admit = _reference.Scheduler.admit`).
+            bound = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]
+            if defined or bound:
                 found = True
-                if rename:
+                if rename and defined:
                     node.name = rename
+                elif rename:
+                    node.targets[0].id = rename
                 else:
                     scope.body.remove(node)
         if not scope.body:
