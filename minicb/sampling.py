@@ -5,12 +5,17 @@ In this file you will learn:
 - why each request gets its own seeded `torch.Generator`: a batch then never
   changes what a seeded request says, because no request consumes random
   numbers from another's stream;
-- the three ways a sequence ends: EOS, a stop token, or max_tokens.
+- the three ways a sequence ends: EOS, a stop token, or max_tokens;
+- the rules a client may add on top, each a change to the logits row before
+  the choice: min_tokens, a repetition penalty and OpenAI's presence and
+  frequency penalties (`apply_rules`: these read what the row has seen so
+  far, its *history*), and min_p beside top-k and top-p (`probabilities`).
 
 Used by every engine, from chapter 01's loop to chapter 06's scheduler.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +31,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past EOS (benchmarks use this for fixed lengths)
     n: int = 1  # completions of the same prompt (parallel sampling): the prompt is computed once
+    # Rules that change the logits before the choice (apply_rules; min_p in probabilities). Off by default.
+    min_tokens: int = 0  # EOS and the stop tokens cannot be chosen until this many tokens were generated
+    repetition_penalty: float = 1.0  # > 1 makes every token of prompt + output less likely; 1 = off
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far; 0 = off
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far; 0 = off
+    min_p: float = 0.0  # sampled rows drop tokens less likely than min_p times the top token; 0 = off
 
     def __post_init__(self):
         self.validate()
@@ -41,10 +52,28 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r}; it must be in (0, 1]")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n={self.n!r}; it must be an integer >= 1 (completions per prompt)")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens={self.min_tokens!r}; it must be an integer in [0, max_tokens], "
+                             f"here [0, {self.max_tokens}]")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}; it must be a finite number > 0 "
+                             f"(1 means no penalty)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}={getattr(self, name)!r}; it must be in [-2, 2] (0 means no penalty)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p={self.min_p!r}; it must be in [0, 1] (0 means no limit)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def history_rules(self) -> list[str]:
+        """The fields set here that read the row's history (apply_rules); [] for most requests."""
+        return [name for name, off in (("min_tokens", 0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                                       ("frequency_penalty", 0.0)) if getattr(self, name) != off]
 
 
 def make_generator(params: SamplingParams, device: torch.device | str, completion: int = 0) -> torch.Generator | None:
@@ -61,8 +90,63 @@ def make_generator(params: SamplingParams, device: torch.device | str, completio
     return g
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set everything outside the top-k / top-p set to -inf. logits [V] fp32."""
+def apply_rules(logits: torch.Tensor, params: list[SamplingParams],
+                histories: list[tuple[list[int], list[int]]] | None,
+                eos_token_ids: list[int] | None) -> torch.Tensor:
+    """The rules that read a row's history, applied to its logits. logits [R, V] fp32 -> [R, V].
+
+    Row r is scored with params[r], after histories[r] = (prompt ids, output ids so
+    far): the tokens the row has seen. Each rule a request sets, in this order:
+      min_tokens          while the output has fewer tokens, EOS (unless ignore_eos)
+                          and the stop tokens get -inf: the row cannot end yet;
+      repetition_penalty  every token id of prompt or output: a positive logit is
+                          divided by it, a negative one multiplied (HF's and vLLM's
+                          rule: above 1, a seen token gets less likely whatever its sign);
+      presence_penalty,   over the output only (OpenAI's rule), with count the times a
+      frequency_penalty   token was generated: logit -= presence * (count > 0) + frequency * count.
+    The three rules commute (-inf stays -inf), and all of them come before greedy's
+    argmax and before temperature, so greedy text obeys them too. For example, with
+    logits [2.0, -1.0, 0.5], prompt [0], output [1, 1], repetition_penalty 2 and
+    frequency_penalty 0.5: token 0 -> 2.0 / 2 = 1.0, token 1 -> -1.0 * 2 - 0.5 * 2 = -3.0,
+    token 2 stays 0.5.
+
+    When no row sets a rule this returns `logits` itself and reads no history at
+    all: that is every request that did not ask. Otherwise it returns a changed
+    copy. A row with a rule and no history to read is refused (ValueError naming
+    the field), never served without its rule.
+    """
+    rule_rows = [r for r, p in enumerate(params) if p.history_rules]
+    if not rule_rows:
+        return logits
+    first = params[rule_rows[0]]
+    if histories is None or len(histories) != len(params):
+        name = first.history_rules[0]
+        raise ValueError(f"{name}={getattr(first, name)!r} needs the tokens each row has seen: pass sample() one "
+                         f"(prompt ids, output ids) per row as histories (got "
+                         f"{'none' if histories is None else len(histories)} for {len(params)} rows)")
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for r in rule_rows:
+        p, (prompt_ids, output_ids) = params[r], histories[r]
+        row = logits[r]  # [V], a view into the copy: the rules write through it
+        if len(output_ids) < p.min_tokens:
+            if eos_token_ids is None and not p.ignore_eos:
+                raise ValueError(f"min_tokens={p.min_tokens!r} masks EOS, so it needs the model's eos_token_ids")
+            ends = p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))
+            row[[t for t in ends if 0 <= t < vocab]] = float("-inf")  # an id past the vocabulary never comes
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.long, device=row.device)
+            scores = row[seen]  # [S]
+            row[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=row.device),
+                                    minlength=vocab).to(row.dtype)  # [V]
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Set everything outside the top-k / top-p / min-p set to -inf, in that order. logits [V] fp32."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -75,11 +159,16 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        # Keep a token at least min_p times as likely as the top one. A ratio of two
+        # probabilities, so it reads the same before or after the filters above renormalise.
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     return logits
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled request draws from: temperature, then top-k and top-p. [..., V] -> [..., V].
+    """The distribution a sampled request draws from: temperature, then top-k, top-p and min-p. [..., V] -> [..., V].
 
     Not for greedy params (temperature 0). Chapter 11's rejection sampler
     verifies drafts against exactly this distribution.
@@ -90,13 +179,21 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # the dtype's smallest normal number (1e-300 is 0 in float32) is taken as that number.
     temperature = max(params.temperature, torch.finfo(rows.dtype).tiny)
     rows = (rows - rows.max(-1, keepdim=True).values) / temperature
-    filtered = torch.stack([filter_logits(row, params.top_k, params.top_p) for row in rows])
+    filtered = torch.stack([filter_logits(row, params.top_k, params.top_p, params.min_p) for row in rows])
     return filtered.softmax(-1).reshape(logits.shape)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row. logits [B, V] (fp32); params and generators have B entries."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: list[tuple[list[int], list[int]]] | None = None,
+           eos_token_ids: list[int] | None = None) -> list[int]:
+    """One token per row. logits [B, V] (fp32); params and generators have B entries.
+
+    histories: each row's (prompt ids, output ids so far), and eos_token_ids: the
+    model's, for the rules that read them (apply_rules). A caller whose requests set
+    none of those rules may leave both out, as the loops of chapters 01, 02 and 04 do; a
+    request that sets one is then refused with a ValueError naming the field.
+    """
+    logits = apply_rules(logits, params, histories, eos_token_ids)  # itself when no row has a rule
     # Greedy rows (the common case in tests and benchmarks) share one argmax.
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, g) in enumerate(zip(params, generators)):

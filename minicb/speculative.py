@@ -111,7 +111,9 @@ def verify(logits: torch.Tensor, draft_token_ids: list[int], params: SamplingPar
 
     Greedy requests keep drafts that equal the argmax; sampled ones go through
     rejection_sample against the request's own distribution (temperature, top-k,
-    top-p applied), with the n-gram proposer's point mass as the draft distribution.
+    top-p and min-p applied), with the n-gram proposer's point mass as the draft
+    distribution. The engine has applied the request's history rules (penalties,
+    min_tokens: minicb/sampling.py's apply_rules) to each row already.
     """
     if params.greedy:
         return accept_greedy(logits.argmax(-1).tolist(), draft_token_ids)
