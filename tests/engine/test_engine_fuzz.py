@@ -17,6 +17,12 @@ Hypothesis draws a configuration and a workload:
 - requests with fresh, shared-prefix, repeated and self-repeating prompts
   (where prompt lookup finds drafts), n from 1 to 3, greedy or seeded
   sampling, arriving over a few steps;
+- chapter 01's sampling rules on some requests: min_tokens beside stop tokens
+  the request would say early, the repetition, presence and frequency
+  penalties, and min_p. The plain engine serves the same requests, so the
+  rules may change the text but never the agreement: they read each
+  sequence's own history, a draft's verify row included (after the output and
+  the drafts before it), and a preempted or forked sequence's too;
 - aborts of whole requests or of single completions, at a random step.
 
 Each workload runs on the tiny random model, and every completion that was not
@@ -24,8 +30,10 @@ aborted must equal, token for token and in its finish reason, what the plain
 engine (chapter 06's: no caching, whole prompts, eager, a pool and slots for
 everyone at once) gives for the same request. One exception: with speculation
 on, a seeded request draws its random numbers in another order (the rejection
-sampler's), so only that it ended properly is checked; chapter 11's
-distribution test holds its tokens to the model's distribution instead.
+sampler's), so only that it ended properly is checked (and not by a stop token
+before min_tokens); chapter 11's distribution test, and
+tests/engine/test_sampling_rules.py's under the rules, hold its tokens to the
+model's distribution instead.
 Along the way: each completion's streamed tokens equal its final ones; after
 every step each running sequence holds token slots for its computed tokens and
 none past its real tokens (no slot of a rejected draft is kept), and with caching every
@@ -42,7 +50,7 @@ from hypothesis import strategies as st
 
 from minicb.engine import Engine, EngineConfig
 from minicb.model import random_model
-from minicb.naive import first_difference
+from minicb.naive import first_difference, generate_with_cache
 from minicb.prefix_cache import block_keys
 from minicb.sampling import SamplingParams
 
@@ -52,6 +60,23 @@ MODEL = random_model(seed=3)
 # MINICB_FUZZ_EXAMPLES=400 MINICB_FUZZ_SEED=7 pytest tests/engine/test_engine_fuzz.py
 EXAMPLES = int(os.environ.get("MINICB_FUZZ_EXAMPLES", 200))
 SEED = seed(int(os.environ.get("MINICB_FUZZ_SEED", 20261201)))
+
+
+def sampling_rules(draw, prompt: list[int], max_tokens: int) -> dict:
+    """Chapter 01's rules for one request, in 1 of 4 requests (each rule off about half the time then).
+
+    Its stop tokens are among the first its greedy text says (chapter 01's loop), so that
+    they end it early unless min_tokens holds them back.
+    """
+    if draw(st.integers(0, 3)):
+        return {}
+    early = generate_with_cache(MODEL, prompt, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids
+    return dict(min_tokens=draw(st.just(0) | st.integers(0, max_tokens)),
+                stop_token_ids=draw(st.lists(st.sampled_from(early), max_size=2)),
+                repetition_penalty=draw(st.sampled_from([1.0, 1.0, 0.8, 1.3])),
+                presence_penalty=draw(st.sampled_from([0.0, 0.0, -0.5, 0.7])),
+                frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.3, -0.2])),
+                min_p=draw(st.sampled_from([0.0, 0.1, 0.5])))
 
 
 @st.composite
@@ -77,7 +102,8 @@ def workloads(draw):
         seeded = draw(st.booleans())
         max_tokens = draw(st.integers(1, 6) | st.integers(7, 16))  # longer runs give prompt lookup its repeats
         params = SamplingParams(max_tokens=max_tokens, n=n, temperature=0.9 if seeded else 0.0,
-                                seed=draw(st.integers(0, 2**16)) if seeded else None)
+                                seed=draw(st.integers(0, 2**16)) if seeded else None,
+                                **sampling_rules(draw, prompt, max_tokens))
         abort = draw(st.none() | st.tuples(st.integers(0, 12), st.none() | st.integers(0, n - 1)))
         requests.append((draw(st.just(0) | st.integers(0, 6)), prompt, params, abort))
     # The smallest pool lets the longest request run alone to its end: every tighter
@@ -200,10 +226,11 @@ def test_every_feature_mix_gives_the_plain_engines_tokens(workload):
     for key in sorted(got):
         (tokens, reason), (want_tokens, want_reason) = got[key], want[key]
         if speculating and requests[key[0]][2].seed is not None:  # other random draws: see the docstring
-            max_tokens = requests[key[0]][2].max_tokens
-            assert (reason == "length" and len(tokens) == max_tokens) or (reason == "stop" and len(tokens) <= max_tokens), (
-                f"request {key[0]} completion {key[1]}: {len(tokens)} tokens of max_tokens {max_tokens}, "
-                f"finish {reason!r}")
+            max_tokens, min_tokens = requests[key[0]][2].max_tokens, requests[key[0]][2].min_tokens
+            assert (reason == "length" and len(tokens) == max_tokens) or (
+                reason == "stop" and min_tokens < len(tokens) <= max_tokens), (
+                f"request {key[0]} completion {key[1]}: {len(tokens)} tokens of max_tokens {max_tokens} "
+                f"(min_tokens {min_tokens}), finish {reason!r}")
             continue
         assert (tokens, reason) == (want_tokens, want_reason), (
             f"request {key[0]} completion {key[1]}: finish {reason!r} vs the plain engine's {want_reason!r}; "
@@ -214,7 +241,9 @@ def test_the_fuzzer_reaches_every_feature():
     # The strategy must actually draw what the docstring promises, or the test above
     # proves less than it says. Draw 300 workloads with the same seed and count.
     seen = {"caching": 0, "chunked": 0, "budget 1": 0, "runner": 0, "speculation": 0, "n > 1": 0, "seeded": 0,
-            "abort": 0, "repeat": 0, "tight pool": 0, "gather decode": 0}
+            "abort": 0, "repeat": 0, "tight pool": 0, "gather decode": 0, "min_tokens with stop tokens": 0,
+            "repetition penalty": 0, "presence/frequency penalty": 0, "min_p sampled": 0,
+            "rules with speculation": 0}
     examples = []
 
     @SEED
@@ -238,6 +267,12 @@ def test_the_fuzzer_reaches_every_feature():
         seen["repeat"] += len({tuple(p) for _, p, _, _ in requests}) < len(requests)
         smallest = max(-(-(len(p) + s.max_tokens) // config["block_size"]) for _, p, s, _ in requests)
         seen["tight pool"] += config["num_blocks"] == smallest
+        params = [s for _, _, s, _ in requests]
+        seen["min_tokens with stop tokens"] += any(s.min_tokens and s.stop_token_ids for s in params)
+        seen["repetition penalty"] += any(s.repetition_penalty != 1.0 for s in params)
+        seen["presence/frequency penalty"] += any(s.presence_penalty or s.frequency_penalty for s in params)
+        seen["min_p sampled"] += any(s.min_p and not s.greedy for s in params)
+        seen["rules with speculation"] += "speculative_ngram" in config and any(s.history_rules for s in params)
     assert all(seen.values()), f"the strategy never drew some features in 300 examples: {seen}"
 
 
