@@ -1,7 +1,7 @@
 # minicb: two commands do everything.
 #   make demo   set up .venv (first time only) and run the demo
 #   make test   set up .venv (first time only) and run the whole suite, notebooks included
-# Other targets: setup, grader-check, notebooks, bench, browser-check, dashboard-check, gpu-bundle, gpu-check, clean.
+# Other targets: setup, grader-check, notebooks, bench, browser-check, dashboard-check, eval-check, gpu-bundle, gpu-check, clean.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +19,7 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 # Per-notebook time limit (seconds) when the suite executes notebooks/*.ipynb.
 NOTEBOOK_TIMEOUT ?= 300
 
-.PHONY: setup demo test grader-check notebooks bench browser-check dashboard-check gpu-bundle gpu-check clean
+.PHONY: setup demo test grader-check notebooks bench browser-check dashboard-check eval-check gpu-bundle gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,12 @@ browser-check: setup
 # `python -m minicb serve` with its dashboard at / in headless Chromium: slots fill, a slot is refilled.
 dashboard-check: setup
 	bash tools/dashboard_check.sh
+
+# lm-eval as a client of `python -m minicb serve` (prefix caching on), against lm-eval's own HF
+# backend on the same weights: every log-likelihood within 1e-4, the same answers and scores, and
+# both wall times in a table. lm-eval goes into a venv of its own, .venv-eval (first time only).
+eval-check: setup
+	bash tools/eval_check.sh
 
 # What gpu-check needs on an offline CUDA machine, into build/gpu-bundle (60 MiB at
 # most): SmolLM2's config and tokenizer, the real model's answer lengths, and the
