@@ -239,7 +239,7 @@ class DecodeGraphs(ModelRunner):
         the pool and builds the decode plan here, outside the forward.
         """
         attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.attention)
-        return self.model(self.input_ids[:, :bucket], self.positions[:, :bucket], attention)
+        return self.run_model(self.input_ids[:, :bucket], self.positions[:, :bucket], attention, meta)
 
     # ---- capture, once --------------------------------------------------------------------
 
@@ -267,7 +267,8 @@ class DecodeGraphs(ModelRunner):
             attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.attention)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
-                self.outputs[bucket] = self.model(self.input_ids[:, :bucket], self.positions[:, :bucket], attention)
+                self.outputs[bucket] = self.run_model(self.input_ids[:, :bucket], self.positions[:, :bucket],
+                                                      attention, meta)
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
 

@@ -49,10 +49,11 @@ from typing import NamedTuple
 import torch
 
 from minicb.config import EngineConfig  # the settings (minicb/config.py); importable from here too
+from minicb.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from minicb.model import Model
 from minicb.model_runner import prepare
 from minicb.parts import EngineParts
-from minicb.sampling import SamplingParams, make_generator, sample
+from minicb.sampling import SamplingParams, apply_rules, make_generator, sample
 from minicb.scheduler import RequestRejected, Sequence, SchedulerOutput, StepResult
 from minicb.trace import SlotState, StepTrace
 
@@ -63,6 +64,7 @@ class NewToken(NamedTuple):
     request_id: int  # the id add_request returned
     completion: int  # which of the request's n completions (0 when n = 1)
     token: int
+    logprobs: TokenLogprob | None = None  # its score, when the request asked (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,8 @@ class StepOutput:
     num_draft_tokens: int = 0  # chapter 11: draft tokens verified this step
     num_accepted_tokens: int = 0  # of them, accepted
     num_cached_tokens: int = 0  # prompt tokens of the requests admitted now that the prefix cache served
+    # request_id -> its prompt's scores (None first), in the step its prompt was computed, when it asked
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
     stats: EngineStats | None = None  # the queues and the pool after the step
     time_s: float = 0.0  # the step's wall time
     trace: StepTrace | None = None  # the step's picture, when keep_traces or the caller asks for one
@@ -178,6 +182,9 @@ class Engine:
         # The scheduler's checks first: they cost nothing, and they bound the prompt that
         # the scan below walks by the model's context (a 100,000-id prompt is refused at once).
         self.scheduler.check_request(prompt_token_ids, params)
+        if params.prompt_logprobs is not None and self.pool.hidden is None:
+            raise RequestRejected("prompt_logprobs: this engine's KV pool keeps no hidden states (KVPool's "
+                                  "hidden_size), so it cannot score prompts", "prompt_logprobs", "unsupported")
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
@@ -232,27 +239,48 @@ class Engine:
         out = self.scheduler.schedule()  # 1. schedule
         tracing = trace or self.traces.maxlen != 0
         placed = out.placements() if tracing else []  # who ran where: postprocess frees finished slots
-        sampled = []
+        sampled, scores, prompt_scores = [], [], {}
         if not out.is_empty:
             logits = self.runner(prepare(out, self.allocator))  # 2. prepare, 3. forward: [rows, V]
             sampled = self.sample(out, logits)  # 4. sample
+            scores, prompt_scores = self.score(out, logits, sampled), self.score_prompts(out)  # if asked
         result = self.scheduler.postprocess(out, sampled, time.perf_counter())  # 5. postprocess
-        output = self._output(out, result, began)
+        output = self._output(out, result, began, scores, prompt_scores)
         if tracing:
             output.trace = self._trace(out, placed, sampled, result, output.time_s)
             self.traces.append(output.trace)  # a deque of maxlen 0 keeps nothing
         return output
 
-    def _output(self, out: SchedulerOutput, result: StepResult, began: float) -> StepOutput:
-        """The step's StepOutput, from what postprocess returned; the engine lets go of finished completions."""
+    def _output(self, out: SchedulerOutput, result: StepResult, began: float, scores: list[list[TokenLogprob]],
+                prompt_scores: dict[int, list]) -> StepOutput:
+        """The step's StepOutput, from what postprocess returned; the engine lets go of finished completions.
+
+        scores[i] (score's) are out.sequences[i]'s sampled tokens' scores, in sampled order;
+        postprocess appended those tokens to the completions in that order (a forking
+        request's to its n completions, one each), so each appended token takes the next score.
+        """
         self.num_steps += 1
         for seq in result.forked:
             self.sequences[seq.seq_id] = seq
         for seq in result.finished:
             del self.sequences[seq.seq_id]  # handed out in the output; the engine keeps nothing
+        pending: dict[int, deque] = {}  # seq_id of a completion -> the scores of the tokens appended to it
+        for seq, entries in zip(out.sequences, scores):
+            if entries and out.drafts(seq):
+                pending[seq.seq_id] = deque(entries)
+            elif entries:  # one token, or the first token of each of its n completions
+                forked = sorted((c for c in out.forked if c.request_id == seq.request_id), key=lambda c: c.completion)
+                for completion, entry in zip([seq] + forked, entries):
+                    pending[completion.seq_id] = deque([entry])
+        new_tokens = []
+        for c, token in result.new_tokens:
+            entry = pending[c.seq_id].popleft() if c.seq_id in pending else None
+            if entry is not None:
+                c.logprobs.append(entry)
+            new_tokens.append(NewToken(c.request_id, c.completion, token, entry))
         admitted = set(out.admitted)
         return StepOutput(
-            new_tokens=[NewToken(c.request_id, c.completion, token) for c, token in result.new_tokens],
+            new_tokens=new_tokens, prompt_logprobs=prompt_scores,
             finished=result.finished, num_computed_tokens=sum(out.num_scheduled.values()),
             num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens,
             num_cached_tokens=sum(s.num_cached_tokens for s in out.prefills if s.seq_id in admitted
@@ -269,14 +297,19 @@ class Engine:
         longer prompt (chapter 08) gets none: its last row predicts a prompt token.
         A request verifying k drafts has k + 1 rows, and gets what the speculator
         accepts of them plus one more token (chapter 11).
+        A request's rules that read its history (min_tokens, penalties) apply to
+        its rows first: row j of a verify comes after the output and drafts[:j].
         """
-        rows, params, generators, counts, verified = [], [], [], [], {}
+        rows, params, generators, histories, counts, verified = [], [], [], [], [], {}
+        eos = self.model.config.eos_token_ids
         row = 0
         for i, seq in enumerate(out.sequences):
             drafts = out.drafts(seq)
             if drafts:
-                verified[i] = self.speculator.verify(logits[row:row + len(drafts) + 1], drafts, seq.params,
-                                                     seq.generator)
+                seen = None if not seq.params.history_rules else [  # row j's history: output + drafts[:j]
+                    (seq.prompt_token_ids, seq.output_token_ids + drafts[:j]) for j in range(len(drafts) + 1)]
+                scored = apply_rules(logits[row:row + len(drafts) + 1], [seq.params] * (len(drafts) + 1), seen, eos)
+                verified[i] = self.speculator.verify(scored, drafts, seq.params, seq.generator)
                 row += len(drafts) + 1
                 counts.append(0)
                 continue
@@ -285,14 +318,53 @@ class Engine:
             rows += [row] * len(completions)
             params += [seq.params] * len(completions)
             generators += completions
+            histories += [(seq.prompt_token_ids, seq.output_token_ids)] * len(completions)  # lists, not copies
             counts.append(len(completions))
             row += 1
-        tokens = sample(logits[rows], params, generators) if rows else []
+        tokens = sample(logits[rows], params, generators, histories, eos) if rows else []
         sampled, start = [], 0
         for i, count in enumerate(counts):
             sampled.append(verified.get(i, tokens[start:start + count]))
             start += count
         return sampled
+
+    def score(self, out: SchedulerOutput, logits: torch.Tensor, sampled: list[list[int]]) -> list[list[TokenLogprob]]:
+        """The scores of the sampled tokens of the sequences that asked (params.logprobs), from the rows
+        they were sampled from (minicb/logprobs.py); [] for the others. [] for all, at no cost, when
+        nobody asked.
+
+        A verifying decode's token j comes from its row j; every other sequence's
+        tokens (1, or n when it forks now) from its one row.
+        """
+        if all(seq.params.logprobs is None for seq in out.sequences):
+            return []
+        scores, row = [], 0
+        for seq, tokens in zip(out.sequences, sampled):
+            num_rows = 1 + len(out.drafts(seq))
+            if seq.params.logprobs is None or not tokens:
+                scores.append([])
+            else:
+                rows = [row + j for j in range(len(tokens))] if out.drafts(seq) else [row] * len(tokens)
+                scores.append(token_logprobs(logits[rows], tokens, seq.params.logprobs))
+            row += num_rows
+        return scores
+
+    def score_prompts(self, out: SchedulerOutput) -> dict[int, list[TokenLogprob | None]]:
+        """request_id -> the prompt's scores, for each request that asked (params.prompt_logprobs) and
+        whose prompt is now all computed. They are read from the final hidden states the pool keeps at
+        the prompt's slots, whichever step, chunk or cached block computed them (minicb/logprobs.py)."""
+        scored = {}
+        for seq in out.prefills:
+            prompt = seq.prompt_token_ids
+            if (seq.params.prompt_logprobs is None or seq.prompt_logprobs is not None
+                    or seq.num_computed_tokens + out.num_new_tokens(seq) < len(prompt)):
+                continue
+            slots = torch.tensor(self.allocator.slot_mapping(seq.seq_id, 0, len(prompt) - 1), dtype=torch.int64,
+                                 device=self.pool.hidden.device)
+            seq.prompt_logprobs = prompt_logprobs(self.model, self.pool.hidden[slots], prompt,
+                                                  seq.params.prompt_logprobs)
+            scored[seq.request_id] = seq.prompt_logprobs
+        return scored
 
     def _trace(self, out: SchedulerOutput, placed, sampled, result: StepResult, seconds: float) -> StepTrace:
         slots = [SlotState(None, "empty", 0) for _ in range(self.config.max_num_seqs)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Iterator, NamedTuple
 
 from minicb.engine import Engine, EngineConfig
+from minicb.logprobs import TokenLogprob
 from minicb.model import Model
 from minicb.sampling import SamplingParams
 from minicb.scheduler import RequestRejected, Sequence
@@ -76,6 +77,8 @@ class CompletionOutput:
     token_ids: list[int]  # generated tokens, with the EOS/stop token that ended them
     text: str | None  # decoded (special tokens skipped); None without a tokenizer
     finish_reason: str  # "stop" | "length" | "abort"
+    # SamplingParams.logprobs: each token's score (minicb/logprobs.py: logprob, rank, top k); else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -87,6 +90,8 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     metrics: RequestMetrics  # completion 0's times; first_token_time is the request's first token
     outputs: list[CompletionOutput] = field(default_factory=list)  # all n completions (one when n = 1)
+    # SamplingParams.prompt_logprobs: each prompt token's score, None for the first; else None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -281,7 +286,8 @@ class LLM:
         """A finished request's output from its completions' Sequences, with times relative to `start`."""
         rel = (lambda t: None if t is None else t - start)
         decode = (lambda ids: self.tokenizer.decode(ids) if self.tokenizer else None)
-        outputs = [CompletionOutput(c, list(seq.output_token_ids), decode(seq.output_token_ids), seq.finish_reason)
+        outputs = [CompletionOutput(c, list(seq.output_token_ids), decode(seq.output_token_ids), seq.finish_reason,
+                                    list(seq.logprobs) if seq.params.logprobs is not None else None)
                    for c, seq in sorted(completions.items())]
         first = completions[0]
         return RequestOutput(
@@ -291,5 +297,5 @@ class LLM:
                                    first.num_preemptions, first.num_cached_tokens,
                                    [t - start for t in first.token_times], first.num_draft_tokens,
                                    first.num_accepted_tokens, first.num_decode_steps),
-            outputs=outputs,
+            outputs=outputs, prompt_logprobs=first.prompt_logprobs,
         )

@@ -183,15 +183,24 @@ class Model(nn.Module):
         576 x 49152 lm_head is the largest matmul in the model, so skipping it
         for prompt tokens saves real time. Then the result is [B, K, vocab].
         """
+        return self.logits(self.hidden_states(input_ids, positions, attention), logits_at)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """input_ids, positions [B, T] -> the last layer's output [B, T, hidden], before the final norm."""
         cfg = self.config
         x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states' output [B, T, hidden] -> logits [B, T, vocab] fp32 (or [B, K, vocab] at `logits_at`)."""
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, hidden]
-        x = self.model.norm(x)
-        return self.lm_head(x).float()
+        return self.lm_head(self.model.norm(x)).float()
 
 
 # ----------------------------------------------------------------------------

@@ -114,4 +114,12 @@ class ModelRunner:
         attention = PagedAttention(self.pool.k_caches, self.pool.v_caches, meta, self.attention)
         input_ids = torch.tensor([batch.token_ids], device=device)  # [1, N]
         positions = torch.tensor([batch.positions], device=device)  # [1, N]
-        return self.model(input_ids, positions, attention, logits_at=meta.last_token_index())[0]  # [S, V]
+        return self.run_model(input_ids, positions, attention, meta, meta.last_token_index())[0]  # [S, V]
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
+                  meta: AttentionMetadata, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's forward, keeping each new token's final hidden state in the pool at its KV slot
+        (KVPool.store_hidden: what prompt logprobs read later). input_ids, positions [1, N] -> logits."""
+        hidden = self.model.hidden_states(input_ids, positions, attention)  # [1, N, hidden]
+        self.pool.store_hidden(meta.slot_mapping, hidden[0])
+        return self.model.logits(hidden, logits_at)

@@ -441,9 +441,20 @@ def paged_prefill_attention_unchecked(q, k_cache, v_cache, block_tables, context
 
 
 class KVPool:
-    """Per-layer K/V caches, each [num_blocks, block_size, n_kv_heads, head_dim]."""
+    """Per-layer K/V caches, each [num_blocks, block_size, n_kv_heads, head_dim].
 
-    def __init__(self, num_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype, device):
+    With `hidden_size`, the pool also keeps every computed token's final hidden
+    state (the last layer's output, before the final norm) beside its K/V:
+    `hidden` [num_blocks * block_size, hidden_size], row = slot. A block then
+    holds all a later request needs to score the tokens in it: logits are one
+    lm_head away (prompt logprobs, minicb/logprobs.py), even when the block came
+    from the prefix cache and was computed for somebody else. It costs
+    hidden_size / (2 * num_layers * n_kv_heads * head_dim) of the K/V's memory
+    (576 / 11,520 = 5% for SmolLM2) and one row copy per computed token.
+    """
+
+    def __init__(self, num_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype, device,
+                 hidden_size: int | None = None):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -455,6 +466,8 @@ class KVPool:
         # but 0 * NaN is NaN, so whatever a masked slot holds must be finite.
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.hidden = None if hidden_size is None else torch.zeros(num_blocks * block_size, hidden_size, dtype=dtype,
+                                                                   device=device)  # [slots, hidden]
         self.bytes_per_block = self.block_bytes(num_layers, block_size, n_kv_heads, head_dim, dtype)
         self.total_bytes = self.bytes_per_block * num_blocks
 
@@ -494,6 +507,15 @@ class KVPool:
         for k_cache, v_cache in zip(self.k_caches, self.v_caches):
             k_cache[dst].copy_(k_cache[src])
             v_cache[dst].copy_(v_cache[src])
+        if self.hidden is not None:
+            b = self.block_size
+            self.hidden[dst * b:(dst + 1) * b].copy_(self.hidden[src * b:(src + 1) * b])
+
+    def store_hidden(self, slot_mapping: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Keep each new token's final hidden state at its slot. slot_mapping [N] int64, hidden [N, hidden_size].
+        A pool made without hidden_size keeps nothing."""
+        if self.hidden is not None:
+            self.hidden.index_copy_(0, slot_mapping, hidden.to(self.hidden.dtype))
 
 
 # ----------------------------------------------------------------------------

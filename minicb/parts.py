@@ -157,7 +157,7 @@ class EngineParts:
         graphing = self.module("cuda_graphs")
         mode = graphing.runner_mode(ec.cuda_graphs, model.device, attention)
         pool = KVPool(cfg.num_layers, num_blocks + (1 if mode else 0), ec.block_size, cfg.num_kv_heads,
-                      cfg.head_dim, model.dtype, model.device)
+                      cfg.head_dim, model.dtype, model.device, hidden_size=cfg.hidden_size)
         if mode is None:
             from minicb.model_runner import ModelRunner
             return pool, ModelRunner(model, pool, attention)

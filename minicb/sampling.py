@@ -37,6 +37,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far; 0 = off
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far; 0 = off
     min_p: float = 0.0  # sampled rows drop tokens less likely than min_p times the top token; 0 = off
+    # Scores (minicb/logprobs.py), the model's own distribution before any sampling rule:
+    logprobs: int | None = None  # each generated token's logprob, with the top k (0..20) of its row; None: none
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none); None: none
 
     def __post_init__(self):
         self.validate()
@@ -64,6 +67,11 @@ class SamplingParams:
                 raise ValueError(f"{name}={getattr(self, name)!r}; it must be in [-2, 2] (0 means no penalty)")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p!r}; it must be in [0, 1] (0 means no limit)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
+                raise ValueError(f"{name}={k!r}; it must be None (no scores) or an integer in [0, 20] (the top "
+                                 f"tokens to list beside each token's own logprob)")
 
     @property
     def greedy(self) -> bool:

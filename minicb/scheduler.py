@@ -108,6 +108,10 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_decode_steps: int = 0  # steps in which it decoded (with drafts or without)
+    # Scores, when params ask (minicb/logprobs.py): one TokenLogprob per output token, and the
+    # prompt's (None first), set once its prompt is computed; completion 0 carries the prompt's.
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
     @property
     def token_ids(self) -> list[int]:

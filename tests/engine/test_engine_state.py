@@ -96,7 +96,7 @@ def test_step_reports_each_scheduled_token_and_each_finish_once(tiny):
         assert out.trace is None and not engine.traces, "keep_traces=0 (the default) records no trace"
         rids = [t.request_id for t in out.new_tokens]
         assert len(rids) == len(set(rids)) <= 2, f"one token per scheduled request, at most 2 slots: {rids}"
-        for rid, completion, token in out.new_tokens:
+        for rid, completion, token, _ in out.new_tokens:
             assert completion == 0, f"n = 1: every token is completion 0's, got completion {completion}"
             tokens[rid].append(token)
         for seq in out.finished:
