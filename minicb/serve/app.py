@@ -52,7 +52,8 @@ import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Annotated
 
@@ -66,11 +67,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minicb.engine import Engine
 from minicb.sampling import SamplingParams
 from minicb.scheduler import RequestRejected
+from minicb.serve import chat
 from minicb.serve import protocol as p
 from minicb.serve.dashboard import dashboard_events
 from minicb.serve.loop import MAX_BUFFERED_STEPS, EngineLoop, NotServing, QueueFull
 from minicb.serve.metrics import CONTENT_TYPE, ServerMetrics
 from minicb.serve.request import EngineError, ServedRequest
+from minicb.serve.scores import TokenTexts, chat_logprobs, completion_logprobs
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 # The largest request body accepted, in bytes (create_app's max_body_bytes). A token id
@@ -164,6 +167,10 @@ class ServerState:
     def decode(self):
         return self.tokenizer.decode if self.tokenizer is not None else None
 
+    @functools.cached_property
+    def texts(self) -> TokenTexts:
+        return TokenTexts(self.tokenizer)
+
 
 async def server_state(request: Request) -> ServerState:
     return request.app.state.server  # async: a plain def would run on a worker thread, per request
@@ -197,6 +204,12 @@ async def invalid_request(request: Request, e: RequestValidationError):
     where = [str(part) for part in error.get("loc", ()) if part != "body"]
     if error.get("type") == "json_invalid":
         message, param = f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", None
+    elif error.get("type") == "extra_forbidden":  # a field this API does not have: refused, never ignored
+        field = ".".join(where)
+        message, param = (f"{field}: minicb does not know this field, so it cannot honour it; leave it out "
+                          f"(the README's \"Serving over HTTP\" lists what is honoured)"), where[-1] if where else None
+        (await server_state(request)).metrics.rejected_request(400)
+        return APIError(400, message, param, code="unsupported_field").response()
     else:
         # pydantic names the union member in the location ("prompt", "str"); keep the field.
         param = where[0] if where else None
@@ -251,12 +264,14 @@ def encode(server: ServerState, prompt, param: str) -> list[int]:
 
 
 def request_params(server: ServerState, req: p._Sampling, prompt_ids: list[int], max_tokens: int | None,
-                   prompt_field: str, max_tokens_field: str) -> SamplingParams:
+                   prompt_field: str, max_tokens_field: str, prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams, once the engine has said it could serve them (else a 400).
-    prompt_field, max_tokens_field: what this route calls the prompt and the length limit."""
+    prompt_field, max_tokens_field: what this route calls the prompt and the length limit.
+    prompt_logprobs: score the prompt too, with this many top tokens (echo with logprobs)."""
     unsupported = req.unsupported()
     if unsupported:
-        raise APIError(400, f"minicb does not support {', '.join(unsupported)}; leave it unset", unsupported[0])
+        name, why = unsupported[0]
+        raise APIError(400, f"minicb does not support {name} as sent: {why}", name, "unsupported_value")
     if any(not s for s in req.stop_strings()):
         raise APIError(400, "stop strings must not be empty", "stop")
     engine = server.engine
@@ -264,11 +279,19 @@ def request_params(server: ServerState, req: p._Sampling, prompt_ids: list[int],
         max_tokens = engine.limits.default_max_tokens(len(prompt_ids))
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
-                                top_p=req.top_p, seed=req.seed, n=req.n, ignore_eos=req.ignore_eos,
-                                stop_token_ids=list(req.stop_token_ids or []))
+                                top_p=req.top_p, min_p=req.min_p, seed=req.seed, n=req.n, ignore_eos=req.ignore_eos,
+                                stop_token_ids=list(req.stop_token_ids or []), min_tokens=req.min_tokens,
+                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                repetition_penalty=req.repetition_penalty, logprobs=req.score_count(),
+                                prompt_logprobs=prompt_logprobs)
     except ValueError as e:  # SamplingParams names the field first: "max_tokens=0; it must be ..."
         field = str(e).split("=", 1)[0]
-        raise APIError(400, str(e), max_tokens_field if field == "max_tokens" else field) from None
+        if field == "max_tokens" and isinstance(req, p.CompletionRequest) and max_tokens == 0:
+            raise APIError(400, "max_tokens=0 generates nothing: it is allowed only with \"echo\": true, to score "
+                                "the prompt; otherwise it must be an integer >= 1", "max_tokens") from None
+        fields = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs" if isinstance(req.logprobs, bool)
+                  else "logprobs", "prompt_logprobs": "logprobs"}
+        raise APIError(400, str(e), fields.get(field, field)) from None
     try:
         engine.check_request(prompt_ids, params)  # reads only sizes fixed at start: safe off the engine thread
     except RequestRejected as e:  # the engine names fields as /v1/completions does; this route may not
@@ -277,45 +300,95 @@ def request_params(server: ServerState, req: p._Sampling, prompt_ids: list[int],
     return params
 
 
-def submit(server: ServerState, prompt_ids: list[int], params: SamplingParams, stop: list[str]) -> ServedRequest:
+def submit(server: ServerState, requests: list[tuple[list[int], SamplingParams]], stop: list[str],
+           score_only: bool = False) -> list[ServedRequest]:
+    """Queue each (prompt ids, params) as a request of the engine; all of them, or none (a 503)."""
+    served: list[ServedRequest] = []
     try:
-        handle = server.loop.submit(prompt_ids, params)
-    except QueueFull as e:
-        raise APIError(503, str(e), kind="server_overloaded", code="queue_full",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    except NotServing as e:
+        for prompt_ids, params in requests:
+            handle = server.loop.submit(prompt_ids, params)
+            served.append(ServedRequest(server.loop, handle, server.decode, stop, score_only))
+            server.metrics.accepted(len(prompt_ids))
+    except (QueueFull, NotServing) as e:
+        close_all(served)  # the prompts already queued go too: the client gets one answer, a 503
+        if isinstance(e, QueueFull):
+            raise APIError(503, str(e), kind="server_overloaded", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         raise APIError(503, str(e), kind="server_unavailable", code="not_serving") from None
-    server.metrics.accepted(len(prompt_ids))
-    return ServedRequest(server.loop, handle, server.decode, stop)
+    return served
+
+
+def close_all(served: list[ServedRequest]) -> None:
+    for one in served:
+        one.close()
 
 
 # ---- answering: the tail both completion routes share --------------------------------------
 
 
 @dataclass
-class AnswerFormat:
-    """How a completion route writes OpenAI's objects; `respond` does everything else.
+class Piece:
+    """One choice's text and tokens: a whole answer's, or what one step added to it (a stream's).
 
-    Every method takes a completion's index, text, finish_reason, stop_reason and
-    token_ids (None unless the client asked for them): `choice` for a whole answer,
-    `piece` for what one step added, inside a stream's chunk.
+    A choice is index prompt * n + completion (OpenAI's order for a list of prompts).
+    `scored` pairs each token whose score the client gets with its TokenLogprob:
+    the generated tokens when the request asked for logprobs, and the prompt's
+    before them with echo (the first with None). `token_ids` are the generated ones.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    scored: list[tuple[int, object]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    offset: int = 0  # where this piece's first scored token starts in the choice's text (completions' text_offset)
+
+    def then(self, later: Piece) -> Piece:
+        """This piece followed by a later one of the same choice."""
+        return Piece(self.index, self.text + later.text, self.token_ids + later.token_ids, self.scored + later.scored,
+                     later.finish_reason, later.stop_reason, self.offset)
+
+
+def step_piece(index: int, delta, offset: int = 0) -> Piece:
+    """A Piece from one step's Delta of a completion (minicb/serve/request.py)."""
+    return Piece(index, delta.text, list(delta.token_ids), list(zip(delta.token_ids, delta.logprobs)),
+                 delta.finish_reason, delta.stop_reason, offset)
+
+
+@dataclass
+class AnswerFormat:
+    """How a completion route writes OpenAI's objects from Pieces; `respond` does everything else.
+
+    `choice` writes a whole answer's choice, `piece` what one step added (inside a
+    stream's chunk). token_ids go out only if the client asked (return_token_ids),
+    logprobs only if it asked for them (`scoring`).
     """
 
     id: str
     created: int
     model: str
+    texts: TokenTexts
+    send_ids: bool = False
+    scoring: bool = False
 
     def opening(self, n: int) -> list[dict]:
-        """The chunks a stream of n completions starts with, before any text."""
+        """The chunks a stream of n choices starts with, before any text."""
         return []
+
+    def ids(self, piece: Piece) -> list[int] | None:
+        return piece.token_ids if self.send_ids else None
 
 
 class TextFormat(AnswerFormat):
     """/v1/completions: a choice is text, whole or one step's piece of it."""
 
-    def choice(self, index, text, finish_reason, stop_reason, token_ids) -> p.CompletionChoice:
-        return p.CompletionChoice(index=index, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
-                                  token_ids=token_ids)
+    def choice(self, piece: Piece) -> p.CompletionChoice:
+        ids, entries = [t for t, _ in piece.scored], [e for _, e in piece.scored]
+        logprobs = completion_logprobs(self.texts, ids, entries, piece.offset) if self.scoring else None
+        return p.CompletionChoice(index=piece.index, text=piece.text, logprobs=logprobs,
+                                  finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
+                                  token_ids=self.ids(piece))
 
     piece = choice
 
@@ -330,13 +403,18 @@ class TextFormat(AnswerFormat):
 class ChatFormat(AnswerFormat):
     """/v1/chat/completions: a whole choice is the assistant's message, a piece a delta of its content."""
 
-    def choice(self, index, text, finish_reason, stop_reason, token_ids) -> p.ChatChoice:
-        return p.ChatChoice(index=index, message=p.AssistantMessage(content=text), finish_reason=finish_reason,
-                            stop_reason=stop_reason, token_ids=token_ids)
+    def logprobs(self, piece: Piece) -> p.ChatLogprobs | None:
+        return chat_logprobs(self.texts, [e for _, e in piece.scored]) if self.scoring else None
 
-    def piece(self, index, text, finish_reason, stop_reason, token_ids) -> p.ChatStreamChoice:
-        return p.ChatStreamChoice(index=index, delta=p.DeltaMessage(content=text), finish_reason=finish_reason,
-                                  stop_reason=stop_reason, token_ids=token_ids)
+    def choice(self, piece: Piece) -> p.ChatChoice:
+        return p.ChatChoice(index=piece.index, message=p.AssistantMessage(content=piece.text),
+                            logprobs=self.logprobs(piece), finish_reason=piece.finish_reason,
+                            stop_reason=piece.stop_reason, token_ids=self.ids(piece))
+
+    def piece(self, piece: Piece) -> p.ChatStreamChoice:
+        return p.ChatStreamChoice(index=piece.index, delta=p.DeltaMessage(content=piece.text),
+                                  logprobs=self.logprobs(piece), finish_reason=piece.finish_reason,
+                                  stop_reason=piece.stop_reason, token_ids=self.ids(piece))
 
     def answer(self, choices: list, usage: p.UsageInfo) -> p.ChatCompletionResponse:
         return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -351,30 +429,78 @@ class ChatFormat(AnswerFormat):
                 for i in range(n)]
 
 
-async def respond(served: ServedRequest, request: Request, req: p._Sampling, form: AnswerFormat):
-    """The answer to a submitted request: server-sent events if req.stream, else one JSON object at the end.
-    Either way the request is closed (aborted in the engine if unfinished) once the response is over."""
-    send_ids = req.return_token_ids
+@dataclass
+class Echo:
+    """The prompt a completions choice starts with (`echo`): its text, and its tokens for scoring."""
+
+    text: str
+    token_ids: list[int]
+
+    def piece(self, index: int, served: ServedRequest) -> Piece:
+        """The prompt as a choice's first piece, with the prompt's scores when they were asked for."""
+        scores = served.prompt_logprobs
+        return Piece(index, self.text, [], list(zip(self.token_ids, scores)) if scores is not None else [])
+
+
+async def respond(served: list[ServedRequest], request: Request, req: p._Sampling, form: AnswerFormat,
+                  echoes: list[Echo] | None = None):
+    """The answer to submitted requests (one per prompt): server-sent events if req.stream, else one JSON
+    object at the end. Either way every request is closed (aborted in the engine if unfinished) once the
+    response is over. echoes: the prompts to put before each of their choices (completions' echo)."""
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream(served, form, include_usage, send_ids), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(served.close))
-    texts, ids = await gather(served, request)
-    choices = [form.choice(i, texts[i], served.finish_reasons[i], served.stop_reasons[i],
-                           ids[i] if send_ids else None) for i in range(len(texts))]
-    return form.answer(choices, usage(served))
+        return StreamingResponse(stream(served, form, req, echoes), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(close_all, served))
+    pieces = await gather(served, request)
+    n = req.n
+    if echoes is not None:
+        pieces = [echoes[i // n].piece(i, served[i // n]).then(piece) for i, piece in enumerate(pieces)]
+    return form.answer([form.choice(piece) for piece in pieces], usage(served))
 
 
-async def gather(served: ServedRequest, request: Request) -> tuple[list[str], list[list[int]]]:
-    """Run a request to its end; abort it if the client disconnects first."""
-    texts = [""] * served.handle.params.n
-    ids: list[list[int]] = [[] for _ in texts]
+async def merged(served: list[ServedRequest]):
+    """(i, deltas) for each step of each of the requests, as they come, until all have ended."""
+    if len(served) == 1:  # the common case needs no tasks
+        async for deltas in served[0].deltas():
+            yield 0, deltas
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int):
+        try:
+            async for deltas in served[i].deltas():
+                await queue.put((i, deltas, None))
+            await queue.put((i, None, None))
+        except Exception as e:  # an engine failure: re-raised below, in the reader
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(served))]
+    try:
+        running = len(tasks)
+        while running:
+            i, deltas, error = await queue.get()
+            if error is not None:
+                raise error
+            if deltas is None:
+                running -= 1
+                continue
+            yield i, deltas
+    finally:
+        for task in tasks:
+            task.cancel()
+        close_all(served)
+
+
+async def gather(served: list[ServedRequest], request: Request) -> list[Piece]:
+    """Run the requests to their end, each choice gathered into one Piece; abort them all if the
+    client disconnects first."""
+    n = served[0].handle.params.n
+    pieces = [Piece(i) for i in range(len(served) * n)]
 
     async def collect():
-        async for deltas in served.deltas():
+        async for i, deltas in merged(served):
             for d in deltas:
-                texts[d.completion] += d.text
-                ids[d.completion] += d.token_ids
+                index = i * n + d.completion
+                pieces[index] = pieces[index].then(step_piece(index, d))
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
@@ -389,39 +515,54 @@ async def gather(served: ServedRequest, request: Request) -> tuple[list[str], li
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await work
-        served.close()
+        close_all(served)
     if work.cancelled():
         raise asyncio.CancelledError  # nobody is left to read an answer
     work.result()  # re-raises an engine failure
-    return texts, ids
+    return pieces
 
 
 def sse(data) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-async def stream(served: ServedRequest, form: AnswerFormat, include_usage: bool, send_ids: bool):
-    """Server-sent events: the opening chunks, one chunk per completion per step, usage, [DONE].
-    A step that added no text (half a character, a held-back stop string) sends nothing,
-    unless the client asked for token ids."""
+async def stream(served: list[ServedRequest], form: AnswerFormat, req: p._Sampling, echoes: list[Echo] | None):
+    """Server-sent events: the opening chunks, one chunk per choice per step, usage, [DONE].
+
+    A step that added nothing to show (half a character, a held-back stop string)
+    sends nothing, unless the client asked for token ids or scores. A choice's
+    first chunk starts with its prompt, with echo. With stream_options'
+    continuous_usage_stats, every chunk carries the usage so far.
+    """
+    n = req.n
+    options = req.stream_options or p.StreamOptions()
+    offsets: dict[int, int] = {}  # choice -> characters of its scored tokens' texts sent so far
     try:
-        for chunk in form.opening(served.handle.params.n):
-            yield sse(chunk)
-        async for deltas in served.deltas():
+        for chunk in form.opening(len(served) * n):
+            yield sse({**chunk, "usage": usage(served).model_dump()} if options.continuous_usage_stats else chunk)
+        async for i, deltas in merged(served):
             for d in deltas:
-                if d.text or d.finish_reason is not None or (send_ids and d.token_ids):
-                    piece = form.piece(d.completion, d.text, d.finish_reason, d.stop_reason,
-                                       d.token_ids if send_ids else None)
-                    yield sse(form.chunk([piece]))
-        if include_usage:
+                index = i * n + d.completion
+                piece = step_piece(index, d, offsets.get(index, 0))
+                if index not in offsets and echoes is not None:
+                    piece = echoes[i].piece(index, served[i]).then(piece)
+                offsets[index] = piece.offset + sum(len(form.texts.text(t)) for t, _ in piece.scored)
+                if piece.text or piece.finish_reason is not None or (form.send_ids and piece.token_ids) or (
+                        form.scoring and piece.scored):
+                    chunk = form.chunk([form.piece(piece)])
+                    if options.continuous_usage_stats:
+                        chunk["usage"] = usage(served).model_dump()
+                    yield sse(chunk)
+        if options.include_usage:
             yield sse({**form.chunk([]), "usage": usage(served).model_dump()})
     except EngineError as e:
         yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error", code=500)).model_dump())
     yield sse("[DONE]")
 
 
-def usage(served: ServedRequest) -> p.UsageInfo:
-    prompt_tokens, completion_tokens = served.usage()
+def usage(served: list[ServedRequest]) -> p.UsageInfo:
+    prompt_tokens = sum(one.usage()[0] for one in served)
+    completion_tokens = sum(one.usage()[1] for one in served)
     return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                        total_tokens=prompt_tokens + completion_tokens)
 
@@ -448,15 +589,35 @@ async def models(server: Server):
     return p.ModelList(data=[p.ModelCard(id=server.model_name, max_model_len=server.max_model_len)])
 
 
+@router.get("/v1/models/{model_id:path}", response_model=p.ModelCard)  # :path: a name like "org/model"
+async def model_card(model_id: str, server: Server):
+    if model_id != server.model_name:
+        raise APIError(404, f"the model {model_id!r} does not exist; this server serves {server.model_name!r}",
+                       "model", "model_not_found")
+    return p.ModelCard(id=server.model_name, max_model_len=server.max_model_len)
+
+
 @router.post("/v1/completions", response_model=p.CompletionResponse, responses=EVENT_STREAM)
 async def completions(req: p.CompletionRequest, request: Request, server: Server):
+    """One engine request per prompt (a list of prompts batches in the engine like any other requests)."""
     check_model(server, req.model)
-    prompt_ids = encode(server, req.prompt, "prompt")
-    params = request_params(server, req, prompt_ids, req.max_tokens if req.max_tokens is not None else 16, "prompt",
-                            "max_tokens")
-    served = submit(server, prompt_ids, params, req.stop_strings())
-    form = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name)
-    return await respond(served, request, req, form)
+    max_tokens = req.max_tokens if req.max_tokens is not None else 16
+    score_only = req.echo and max_tokens == 0  # score the prompt, generate nothing (lm-eval's loglikelihood)
+    prompt_logprobs = req.logprobs if req.echo else None
+    prompts = req.prompts()
+    requests = []
+    for prompt in prompts:  # every prompt checked before any is queued
+        prompt_ids = encode(server, prompt, "prompt")
+        requests.append((prompt_ids, request_params(server, req, prompt_ids, 1 if score_only else max_tokens,
+                                                    "prompt", "max_tokens", prompt_logprobs)))
+    served = submit(server, requests, req.stop_strings(), score_only)
+    echoes = None
+    if req.echo:
+        echoes = [Echo(prompt if isinstance(prompt, str) else server.decode(ids) if server.decode else "", ids)
+                  for prompt, (ids, _) in zip(prompts, requests)]
+    form = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name, server.texts,
+                      req.return_token_ids, req.logprobs is not None)
+    return await respond(served, request, req, form, echoes)
 
 
 @router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=EVENT_STREAM)
@@ -466,15 +627,16 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request, serve
         raise APIError(400, "this model has no tokenizer, so it has no chat template; use /v1/completions "
                             "with token ids", "messages")
     try:
-        prompt = server.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+        prompt = chat.render(server.tokenizer, req.messages)  # tool calls, results and names included
     except Exception as e:  # the template's own complaint (e.g. roles in an order it refuses)
         raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
     prompt_ids = encode(server, prompt, "messages")
     limit, field = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
                     else (req.max_tokens, "max_tokens"))
     params = request_params(server, req, prompt_ids, limit, "messages", field)
-    served = submit(server, prompt_ids, params, req.stop_strings())
-    form = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name)
+    served = submit(server, [(prompt_ids, params)], req.stop_strings())
+    form = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name, server.texts,
+                      req.return_token_ids, req.logprobs)
     return await respond(served, request, req, form)
 
 
@@ -520,5 +682,8 @@ def create_app(llm, model_name: str, max_waiting: int = 256, max_body_bytes: int
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refused=lambda: metrics.rejected_request(413))
     for kind, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(kind, handler)
+    from minicb.serve.tokenize_routes import router as tokenizer_router  # here: it imports this module
+
     app.include_router(router)
+    app.include_router(tokenizer_router)
     return app

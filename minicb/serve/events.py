@@ -37,6 +37,10 @@ from minicb.sampling import SamplingParams
 class Token:
     completion: int  # which of the request's n completions
     token_id: int
+    # Scores (minicb/logprobs.py), when the request asked; the engine loop attaches them from the
+    # StepOutput after group_step (loop.py's attach_scores), so group_step need not know of them:
+    logprobs: object = None  # this token's TokenLogprob
+    prompt_logprobs: list | None = None  # on the request's first token: its prompt's (None first)
 
 
 @dataclass

@@ -173,6 +173,25 @@ def group_step(out: StepOutput, owners: Owners) -> dict[RequestHandle, list[Toke
     return batches
 
 
+def scored_handles(out: StepOutput, owners: Owners) -> dict[int, RequestHandle]:
+    """request_id -> handle, for the step's requests that asked for scores (logprobs or prompt logprobs)."""
+    ids = {t.request_id for t in out.new_tokens if t.logprobs is not None} | set(out.prompt_logprobs)
+    return {rid: owners[rid] for rid in ids if rid in owners}
+
+
+def attach_scores(out: StepOutput, batches: dict[RequestHandle, list], scored: dict[int, RequestHandle]):
+    """Give group_step's Token events their scores, in step order, and the request's first Token
+    its prompt's, in the step that scored the prompt. Given, not chapter 09's: the events
+    group_step makes stay Token(completion, token_id)."""
+    for rid, handle in scored.items():
+        tokens = [event for event in batches.get(handle, []) if isinstance(event, Token)]
+        for event, entry in zip(tokens, [t.logprobs for t in out.new_tokens if t.request_id == rid]):
+            event.logprobs = entry
+        if rid in out.prompt_logprobs and tokens:
+            tokens[0].prompt_logprobs = out.prompt_logprobs[rid]
+    return batches
+
+
 # ---- what the dashboard and the metrics receive ------------------------------------------
 
 
@@ -428,7 +447,8 @@ class EngineLoop:
                         self._step_failed(e)
                         continue
                     self._publish(out.stats)
-                    self._dispatch(out, chapter.group_step(out, self._owners))
+                    scored = scored_handles(out, self._owners)  # before group_step lets finished ones go
+                    self._dispatch(out, attach_scores(out, chapter.group_step(out, self._owners), scored))
                 elif applied.aborted:  # the aborts emptied the engine: no step will say so
                     self._publish(self.engine.stats())
         except Exception as e:  # outside a step (a command, the chapter's code): fail everything, serve no more

@@ -14,14 +14,20 @@ clients, field by field, and where minicb's engine meets it:
   fractional part. NaN and Infinity are not numbers either (JSON has neither, but
   Python's parser reads them), a seed is a 64-bit integer as OpenAI's document
   says, and what the model reads is Unicode text: a JSON escape can spell half
-  of a UTF-16 surrogate pair ("\\ud800"), which no tokenizer can encode. A
-  client that sends a field the API does not have is not refused (extra fields
-  are ignored), but the fields below that minicb cannot honour (logprobs, echo,
-  penalties, ...) are refused when set, rather than silently ignored.
+  of a UTF-16 surrogate pair ("\\ud800"), which no tokenizer can encode.
+- Honour or refuse, never ignore. A field the API does not have is refused by
+  name (extra="forbid"; app.py words the 400), and a field minicb has but cannot
+  do at the value sent (`unsupported()`: logit_bias, tools, ...) is refused
+  too. Only OpenAI's platform bookkeeping (IGNORED_METADATA) is accepted and
+  left alone. A client that sets a field it relies on must never get a 200
+  that did not honour it.
 - Sampling maps one to one onto SamplingParams (minicb/sampling.py):
-  max_tokens, temperature, top_p, seed, n, and two of vLLM's extensions, top_k
-  and stop_token_ids (plus ignore_eos, which benchmarks use for fixed lengths).
+  max_tokens, temperature, top_p, seed, n, the penalties, and vLLM's extensions
+  top_k, min_p, min_tokens, repetition_penalty, stop_token_ids and ignore_eos.
   `stop` strings are the server's job (minicb/serve/text.py).
+- Scores: `logprobs` (a count on /v1/completions, a flag with `top_logprobs` on
+  chat) and completions' `echo` become SamplingParams.logprobs and
+  prompt_logprobs; minicb/serve/scores.py writes them in OpenAI's shapes.
 - `return_token_ids` (a vLLM extension) adds the generated token ids to every
   choice and chunk; a model without a tokenizer serves only those.
 
@@ -33,14 +39,15 @@ from __future__ import annotations
 import time
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # ---- requests -----------------------------------------------------------------------------
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # extra="forbid": a field the API does not have is refused by name (a 400), never ignored.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 def _unicode(value):
@@ -73,6 +80,12 @@ def _integral(value):
 
 class StreamOptions(_Strict):
     include_usage: bool = False  # a last chunk with "usage" and no choices
+    continuous_usage_stats: bool = False  # vLLM extension: "usage" so far on every chunk too
+
+
+# Fields accepted and not acted on, because they change nothing a client can see from minicb:
+# OpenAI's bookkeeping for its own platform. Every other field of the API is honoured or refused.
+IGNORED_METADATA = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
 
 
 class _Sampling(_Strict):
@@ -82,50 +95,88 @@ class _Sampling(_Strict):
     temperature: float = 1.0  # OpenAI's default; 0 is greedy
     top_p: float = 1.0
     top_k: int = 0  # vLLM extension; 0 or -1 = no limit
+    min_p: float = 0.0  # vLLM extension
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # a 64-bit integer, as in OpenAI's document
     n: int = 1
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
+    min_tokens: int = 0  # vLLM extension: EOS and stop tokens are masked until this many were generated
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension
-    user: str | None = None  # accepted, unused
-    # OpenAI fields minicb does not implement: refused unless left at their "off" value.
-    logprobs: Union[bool, int, None] = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # vLLM extensions that minicb does only one way: accepted at that value, refused at the other.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Refused unless empty: minicb has no per-token bias (yet).
     logit_bias: dict[str, float] | None = None
+    # OpenAI's platform bookkeeping (IGNORED_METADATA): accepted, and ignored as the docs say.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     _stop_is_text = field_validator("stop")(lambda cls, stop: _unicode(stop))
-    _ints = field_validator("top_k", "seed", "n", "stop_token_ids", mode="before")(lambda cls, v: _integral(v))
+    _ints = field_validator("top_k", "seed", "n", "stop_token_ids", "min_tokens", mode="before")(
+        lambda cls, v: _integral(v))
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def unsupported(self) -> list[str]:
-        """Names of fields set to something minicb cannot do."""
-        off = {"logprobs": (None, False, 0), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-               "logit_bias": (None, {})}
-        return [name for name, allowed in off.items() if getattr(self, name) not in allowed]
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for each field set to something minicb cannot do."""
+        refused = []
+        if self.logit_bias:
+            refused.append(("logit_bias", "minicb has no per-token logit bias; leave it unset or {}"))
+        if not self.skip_special_tokens:
+            refused.append(("skip_special_tokens", "minicb's text always leaves special tokens out"))
+        if self.include_stop_str_in_output:
+            refused.append(("include_stop_str_in_output", "minicb cuts the text before a stop string, as OpenAI"))
+        if self.stream_options is not None and not self.stream:
+            refused.append(("stream_options", "stream_options needs \"stream\": true"))
+        return refused
+
+    def score_count(self) -> int | None:
+        """How many top tokens to list beside each generated token's logprob; None: no logprobs.
+        Each endpoint spells it its own way."""
+        return None
 
 
 class CompletionRequest(_Sampling):
-    """POST /v1/completions. `prompt` is text, or token ids (as vLLM accepts)."""
+    """POST /v1/completions. `prompt` is text or token ids, or a list of either: one request each."""
 
-    prompt: Union[str, list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16  # OpenAI's default for completions; 0 with echo scores the prompt only
+    echo: bool = False  # the prompt (and its logprobs, with logprobs) before the completion
+    logprobs: int | None = Field(None, ge=0, le=20)  # the top k beside each token's own logprob
     best_of: int | None = None
     suffix: str | None = None
 
     _prompt_is_text = field_validator("prompt")(lambda cls, prompt: _unicode(prompt))
-    _more_ints = field_validator("prompt", "max_tokens", "best_of", mode="before")(lambda cls, v: _integral(v))
+    _more_ints = field_validator("prompt", "max_tokens", "best_of", "logprobs", mode="before")(
+        lambda cls, v: _integral(v))
 
-    def unsupported(self) -> list[str]:
-        extra = [name for name, ok in (("echo", not self.echo), ("best_of", self.best_of in (None, self.n)),
-                                       ("suffix", not self.suffix)) if not ok]
-        return super().unsupported() + extra
+    def prompts(self) -> list:
+        """The prompts, one per request: a string or a list of ids is one, a list of either is several."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt) or [self.prompt]  # [] is one (empty) prompt, for the engine to refuse
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        refused = super().unsupported()
+        if self.best_of not in (None, self.n):
+            refused.append(("best_of", "minicb returns every completion it makes; best_of must be unset or n"))
+        if self.suffix:
+            refused.append(("suffix", "minicb does not fill in the middle"))
+        return refused
+
+    def score_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -135,11 +186,61 @@ class TextPart(_Strict):
     _is_text = field_validator("text")(lambda cls, text: _unicode(text))
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None] = None
+def _text_parts_only(content):
+    """`content` as it came, unless a part of it is not text: then a 400 that says so, naming the
+    part's type, rather than pydantic's complaint about a union ("Input should be a valid string")."""
+    for part in content if isinstance(content, list) else []:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise PydanticCustomError("unsupported_content_part", "minicb serves a text-only model; content part "
+                                      "type {kind} is not supported", {"kind": repr(kind)})
+    return content
 
-    _is_text = field_validator("content")(lambda cls, content: _unicode(content))
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON, as the model wrote it (OpenAI sends a string, not an object)
+
+    _is_text = field_validator("name", "arguments")(lambda cls, text: _unicode(text))
+
+
+class ToolCall(_Strict):
+    """One of an assistant message's `tool_calls`, as a client sends it back with the tool's result."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+    _is_text = field_validator("id")(lambda cls, text: _unicode(text))
+
+
+class ChatMessage(_Strict):
+    """One message of a chat. Besides text, a chat with tools has an assistant message's
+    `tool_calls` (its content may be null then) and a "tool" message with one call's result,
+    `tool_call_id` naming the call. minicb/serve/chat.py writes every field into the prompt."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None  # who wrote it, among several of one role
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages only, and there required
+
+    _text_only = field_validator("content", mode="before")(lambda cls, content: _text_parts_only(content))
+    _is_text = field_validator("content", "name", "tool_call_id")(lambda cls, value: _unicode(value))
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        """tool_calls and tool_call_id belong to one role each; a tool result has content."""
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_not_allowed", "only an assistant message has tool_calls; this "
+                                      "one's role is {role}", {"role": repr(self.role)})
+        if self.role == "tool" and (self.tool_call_id is None or self.content is None):
+            raise PydanticCustomError("tool_message_incomplete", "a tool message needs tool_call_id (the id of the "
+                                      "call it answers) and content (the call's result)")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise PydanticCustomError("tool_call_id_not_allowed", "only a tool message has tool_call_id; this one's "
+                                      "role is {role}", {"role": repr(self.role)})
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -154,8 +255,31 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None  # the current name
     max_tokens: int | None = None  # the older name; both mean new tokens at most
     # None for both: as many as the context and the KV pool leave after the prompt.
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # with logprobs: the top k beside each token's own
+    # Structured output and tools (the next chapter): refused when set, never ignored.
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
 
-    _more_ints = field_validator("max_completion_tokens", "max_tokens", mode="before")(lambda cls, v: _integral(v))
+    _more_ints = field_validator("max_completion_tokens", "max_tokens", "top_logprobs", mode="before")(
+        lambda cls, v: _integral(v))
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        refused = super().unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            refused.append(("top_logprobs", "top_logprobs needs \"logprobs\": true"))
+        if self.response_format not in (None, {"type": "text"}):
+            refused.append(("response_format", "minicb does not constrain output to a format yet; leave it "
+                                               "unset or {\"type\": \"text\"}"))
+        for name, off in (("tools", (None, [])), ("tool_choice", (None, "none")), ("parallel_tool_calls", (None,))):
+            if getattr(self, name) not in off:
+                refused.append((name, "minicb does not call tools yet; leave it unset"))
+        return refused
+
+    def score_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -167,10 +291,20 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The completions API's (legacy) logprobs: parallel lists, one entry per token; with echo the prompt's
+    tokens come first, and the very first has no logprob (null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None  # "stop" | "length" | "abort"; None while a stream goes on
     stop_reason: Union[int, str, None] = None  # vLLM: the stop string or stop token id, None for EOS
     token_ids: list[int] | None = None  # with return_token_ids
@@ -185,6 +319,20 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None  # always set on a whole answer; streamed chunks carry it only at the end
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's bytes: a token may be part of a character
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -193,7 +341,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     stop_reason: Union[int, str, None] = None
     token_ids: list[int] | None = None
@@ -216,7 +364,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
     token_ids: list[int] | None = None

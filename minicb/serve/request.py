@@ -36,6 +36,7 @@ class Delta:
     completion: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # each token's TokenLogprob, when the request asked
     finish_reason: str | None = None  # set on the completion's last delta
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
@@ -49,13 +50,16 @@ class ServedRequest:
         served.usage()                            # (prompt_tokens, completion_tokens)
     """
 
-    def __init__(self, loop: EngineLoop, handle: RequestHandle, decode, stop: list[str]):
-        self.loop, self.handle = loop, handle
+    def __init__(self, loop: EngineLoop, handle: RequestHandle, decode, stop: list[str], score_only: bool = False):
+        """score_only: the client asked for no new tokens (max_tokens 0 with echo), only the
+        prompt's scores; the engine makes one token (its max_tokens is at least 1), dropped here."""
+        self.loop, self.handle, self.score_only = loop, handle, score_only
         n = handle.params.n
         self.texts = [CompletionText(decode, stop) for _ in range(n)]
         self.finish_reasons: list[str | None] = [None] * n
         self.stop_reasons: list[int | str | None] = [None] * n
         self.closed = False  # aborted on the way out (close)
+        self.prompt_logprobs: list | None = None  # the prompt's scores, once they came (params.prompt_logprobs)
 
     @property
     def done(self) -> bool:
@@ -73,7 +77,7 @@ class ServedRequest:
             self.loop.abort(self.handle)
 
     def usage(self) -> tuple[int, int]:
-        return len(self.handle.prompt_token_ids), sum(len(t.token_ids) for t in self.texts)
+        return len(self.handle.prompt_token_ids), 0 if self.score_only else sum(len(t.token_ids) for t in self.texts)
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:
         try:
@@ -86,7 +90,11 @@ class ServedRequest:
                     if self.finish_reasons[event.completion] is not None:
                         continue  # a completion cut by a stop string: the engine's extra token is dropped
                     delta = deltas.setdefault(event.completion, Delta(event.completion))
-                    if isinstance(event, Token):
+                    if isinstance(event, Token) and event.prompt_logprobs is not None:
+                        self.prompt_logprobs = event.prompt_logprobs
+                    if isinstance(event, Token) and self.score_only:
+                        self._end(delta, "length", None)  # its one token (max_tokens 1) is not the client's
+                    elif isinstance(event, Token):
                         self._take_token(event, delta)
                     elif isinstance(event, Finished):
                         self._finish(event, delta)
@@ -98,6 +106,8 @@ class ServedRequest:
         text = self.texts[event.completion]
         delta.text += text.add(event.token_id)
         delta.token_ids.append(event.token_id)
+        if event.logprobs is not None:
+            delta.logprobs.append(event.logprobs)
         if text.stopped_by is not None:  # a stop string: end it here, and in the engine
             self.loop.abort(self.handle, event.completion)
             self._end(delta, "stop", text.stopped_by)

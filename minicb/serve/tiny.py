@@ -23,17 +23,31 @@ class ByteTokenizer:
 
     eos_token_id = 2
     special = {1, 2}
+    vocab_size = 256
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # it puts nothing around a text (no BOS), as SmolLM2's
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         kept = [t for t in token_ids if not (skip_special_tokens and t in self.special)]
         return bytes(kept).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
-        return self.encode(text)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return self.encode(text + "<assistant>" if add_generation_prompt else text)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token's byte; one that is not a character by itself (part of one) as \\xNN."""
+        return [bytes([t]).decode("utf-8", errors="backslashreplace") for t in token_ids]
+
+    def info(self) -> dict:
+        """GET /tokenizer_info's fields (minicb.tokenizer.Tokenizer.info's); its template is the code above."""
+        return {"tokenizer_class": "ByteTokenizer", "vocab_size": self.vocab_size, "bos_token": "\x01",
+                "bos_token_id": 1, "eos_token": "\x02", "eos_token_id": 2, "pad_token": None, "pad_token_id": None,
+                "unk_token": None, "unk_token_id": None, "model_max_length": None, "chat_template": None}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -272,7 +272,14 @@ BAD_REQUESTS = {
     "empty stop string": ("/v1/completions", {"prompt": [1], "stop": [""]}, "stop"),
     "token id out of vocab": ("/v1/completions", {"prompt": [999]}, "prompt"),
     "empty prompt": ("/v1/completions", {"prompt": ""}, "prompt"),
-    "logprobs asked": ("/v1/completions", {"prompt": [1], "logprobs": 2}, "logprobs"),
+    "logprobs over 20": ("/v1/completions", {"prompt": [1], "logprobs": 21}, "logprobs"),
+    "top_logprobs without logprobs": ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    "a field the API does not have": ("/v1/completions", {"prompt": [1], "temprature": 0.5}, "temprature"),
+    "logit_bias": ("/v1/completions", {"prompt": [1], "logit_bias": {"5": 10}}, "logit_bias"),
+    "tools": ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+              "tools"),
+    "response_format": ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
+                        "response_format"),
 }
 
 

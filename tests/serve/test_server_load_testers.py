@@ -12,9 +12,8 @@ the commands.
 Three of these lean on vLLM features that came to minicb with them: a list of
 prompts (aiperf's completions), `min_tokens`, and
 `stream_options.continuous_usage_stats` (the usage so far on every chunk, which
-guidellm always asks for). One part is still to come, and its test is a strict xfail, to flip
-when it lands: in vLLM a chat stream's opening chunk (the assistant's role)
-carries the usage too, with completion_tokens 0.
+guidellm always asks for; as in vLLM, a chat stream's opening chunk, the
+assistant's role, carries it too, with completion_tokens 0).
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ from serve_support import TINY, tiny_server
 
 MAX_TOKENS = 16
 PROMPT = "Write a short story about a lighthouse keeper. " * 3
-NOT_YET = "still to come: remove this mark when it lands"
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +115,7 @@ def test_guidellm_chat_stream(client):
     check_fixed_length(client, body, chunks[1:], usage)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", pytest.param("/v1/chat/completions", marks=pytest.mark.xfail(
-    strict=True, reason=f"usage on the opening (role) chunk of a chat stream is {NOT_YET}"))])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client, path):
     body = (guidellm_completions if path == "/v1/completions" else guidellm_chat)(model_of(client))
     chunks, usage = streamed(client, path, body)

@@ -165,7 +165,7 @@ def test_the_server_asks_the_engine_instead_of_restating_its_rules():
         seen.clear()
         server_only = {"unknown model": ({"prompt": [1], "model": "gpt-4"}, "model"),
                        "empty stop string": ({"prompt": [1], "stop": [""]}, "stop"),
-                       "logprobs": ({"prompt": [1], "logprobs": 2}, "logprobs"),
+                       "logit_bias": ({"prompt": [1], "logit_bias": {"5": 1.0}}, "logit_bias"),
                        "top_p 0": ({"prompt": [1], "top_p": 0}, "top_p")}
         for name, (body, param) in server_only.items():
             assert error_of(client.post("/v1/completions", json=body), 400, name)["param"] == param, name

@@ -25,7 +25,7 @@ before it is sent (`bounded`, `aimed_at_the_engine`):
   was), and a chat request without one, whose default is "as much as the context
   leaves", gets MAX_TOKENS too. n needs no cap: past the slots it is refused at once.
 - In the fuzzing phase's valid bodies only: no `model` and none of the fields
-  minicb refuses when set (logprobs, echo, ...), and prompt ids in the vocabulary.
+  minicb refuses when set (logit_bias, tools, ...), and prompt ids in the vocabulary.
   A random body almost always sets one of them, and would be refused before the
   engine sees it; the coverage phase and the invalid bodies still send them all.
 
@@ -57,7 +57,8 @@ MAX_EXAMPLES = 100  # per operation, in the fuzzing phase (valid and invalid bod
 MAX_TOKENS = 4  # the most tokens a generated request may ask for (see `bounded`)
 SEED = 20240501
 VOCAB = 256  # the tiny model's
-REFUSED_WHEN_SET = ("logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of", "suffix")
+REFUSED_WHEN_SET = ("logit_bias", "best_of", "suffix", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+                    "skip_special_tokens", "include_stop_str_in_output", "top_logprobs", "stream_options")
 ERROR_TYPES = {"message": str, "type": str, "param": (str, type(None)), "code": (str, int, type(None))}
 # Not positive_data_acceptance: the document states types, not ranges (those are the
 # engine's check_request's to say), so a body the schema allows, temperature -1 say,
@@ -113,8 +114,9 @@ def aimed_at_the_engine(body):
     if not isinstance(body, dict):
         return body
     body = {k: v for k, v in body.items() if k not in ("model",) + REFUSED_WHEN_SET}
-    if isinstance(body.get("prompt"), list):
-        body["prompt"] = [t % VOCAB if type(t) is int else t for t in body["prompt"]]
+    if isinstance(body.get("prompt"), list):  # ids, or a list of prompts of ids
+        body["prompt"] = [t % VOCAB if type(t) is int else [u % VOCAB if type(u) is int else u for u in t]
+                          if isinstance(t, list) else t for t in body["prompt"]]
     return body
 
 
