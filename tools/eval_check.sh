@@ -75,7 +75,7 @@ else
 fi
 
 # ---- 2. the checkpoint and its tokenizer, from minicb --------------------------------------------
-rm -rf "$OUT"
+rm -rf "$OUT/minicb" "$OUT/hf" "$OUT/tokenizer" "$OUT/report.md" "$OUT"/*.log  # the last run's, and only those
 mkdir -p "$OUT"
 say "finding SmolLM2's HF checkpoint (converted from the GGUF file the first time)"
 CHECKPOINT="$("$PY" -c 'from minicb.weights import resolve_checkpoint; print(resolve_checkpoint(None))')"
