@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 
 from minicb.config import EngineConfig  # the settings (minicb/config.py); importable from here too
-from minicb.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from minicb.logprobs import PromptScoreCache, TokenLogprob, prompt_logprobs, token_logprobs
 from minicb.model import Model
 from minicb.model_runner import prepare
 from minicb.parts import EngineParts
@@ -136,6 +136,7 @@ class Engine:
         self.limits = EngineLimits(model.config.max_position_embeddings, self.num_blocks, self.config.block_size,
                                    self.config.max_num_seqs)
         self.sequences: dict[int, Sequence] = {}  # seq_id -> its state, while it waits or runs (every completion)
+        self.prompt_scores = PromptScoreCache(self.config.block_size)  # scored prompt blocks (minicb/logprobs.py)
         self.traces: deque[StepTrace] = deque(maxlen=self.config.keep_traces)
         self.num_steps = 0
 
@@ -351,18 +352,21 @@ class Engine:
 
     def score_prompts(self, out: SchedulerOutput) -> dict[int, list[TokenLogprob | None]]:
         """request_id -> the prompt's scores, for each request that asked (params.prompt_logprobs) and
-        whose prompt is now all computed. They are read from the final hidden states the pool keeps at
+        whose prompt is now all computed, once (completion 0 carries them: a forked completion
+        recomputing its prompt after a preemption scores nothing). They are read from the final hidden states the pool keeps at
         the prompt's slots, whichever step, chunk or cached block computed them (minicb/logprobs.py)."""
         scored = {}
         for seq in out.prefills:
             prompt = seq.prompt_token_ids
-            if (seq.params.prompt_logprobs is None or seq.prompt_logprobs is not None
+            if (seq.params.prompt_logprobs is None or seq.prompt_logprobs is not None or seq.completion != 0
                     or seq.num_computed_tokens + out.num_new_tokens(seq) < len(prompt)):
                 continue
-            slots = torch.tensor(self.allocator.slot_mapping(seq.seq_id, 0, len(prompt) - 1), dtype=torch.int64,
-                                 device=self.pool.hidden.device)
-            seq.prompt_logprobs = prompt_logprobs(self.model, self.pool.hidden[slots], prompt,
-                                                  seq.params.prompt_logprobs)
+            def hidden_at(start: int, end: int, seq=seq) -> torch.Tensor:  # [end - start, hidden], positions [start, end)
+                slots = self.allocator.slot_mapping(seq.seq_id, start, end)
+                return self.pool.hidden[torch.tensor(slots, dtype=torch.int64, device=self.pool.hidden.device)]
+
+            seq.prompt_logprobs = prompt_logprobs(self.model, hidden_at, prompt, seq.params.prompt_logprobs,
+                                                  self.prompt_scores)
             scored[seq.request_id] = seq.prompt_logprobs
         return scored
 

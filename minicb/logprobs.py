@@ -27,9 +27,12 @@ P - 1 logprobs; the first token has none (None in our lists, null in OpenAI's).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from minicb.prefix_cache import block_keys
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs; SamplingParams refuses more
 PROMPT_ROWS_AT_ONCE = 256  # prompt positions scored per lm_head call: bounds the [rows, V] logits held at once
@@ -46,38 +49,88 @@ class TokenLogprob:
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """The logprob of token_ids[i] under row i, with the top k of each row. logits [R, V] -> R entries."""
+    """The logprob of token_ids[i] under row i, with the top k of each row. logits [R, V] -> R entries.
+
+    log_softmax(x)[t] = x[t] - logsumexp(x), so only the R chosen entries and the
+    R * k top ones are shifted: no [R, V] tensor of logprobs is written, which
+    matters when a prompt of hundreds of positions is scored against 49,152 tokens.
+    """
     if logits.shape[0] != len(token_ids):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(token_ids)} tokens; give one row per token")
     if not token_ids:
         return []
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-    chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device)[:, None])  # [R, 1]
-    ranks = (logp > chosen).sum(-1) + 1  # [R]
-    top_values, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())  # [R, k]
-    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    logits = logits.float()
+    norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
+    chosen = logits.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])  # [R, 1]
+    ranks = (logits > chosen).sum(-1) + 1  # [R]
+    top_values, top_ids = logits.topk(k, dim=-1) if k > 0 else (logits[:, :0], logits[:, :0].long())  # [R, k]
+    chosen, ranks = (chosen - norm)[:, 0].tolist(), ranks.tolist()
+    top_values, top_ids = (top_values - norm).tolist(), top_ids.tolist()
     return [TokenLogprob(t, chosen[i], ranks[i], list(zip(top_ids[i], top_values[i])))
             for i, t in enumerate(token_ids)]
 
 
-def prompt_logprobs(model, hidden: torch.Tensor, prompt_token_ids: list[int], k: int) -> list[TokenLogprob | None]:
-    """Every prompt token's logprob: [None, entry for token 1, ..., entry for token P - 1].
+class PromptScoreCache:
+    """The scores of full prompt blocks, kept by the block's key (chapter 07's block_keys), least
+    recently used out first.
 
-    hidden [P - 1, hidden_size]: the last layer's output at positions 0 .. P - 2
-    (KVPool.hidden at the prompt's slots), whose logits predict tokens 1 .. P - 1.
-    Scored PROMPT_ROWS_AT_ONCE positions at a time, through model.logits (the
-    final norm and lm_head, as in every forward).
+    A token's score depends on the tokens before it and on nothing else, and a
+    block's key names exactly those (its tokens and every block before it). So a
+    block scored once is scored for every later prompt that starts the same way:
+    a multiple-choice question's shared context is scored once, each choice only
+    its own tokens. Holds `max_blocks` blocks' entries (block_size TokenLogprobs each,
+    with the top k they were made with; a request asking for fewer gets them cut).
     """
-    targets = prompt_token_ids[1:]
-    if hidden.shape[0] != len(targets):
-        raise ValueError(f"{hidden.shape[0]} hidden states for a prompt of {len(prompt_token_ids)} tokens; "
-                         f"give one per position but the last")
-    entries: list[TokenLogprob | None] = [None]
-    for start in range(0, len(targets), PROMPT_ROWS_AT_ONCE):
-        rows = hidden[start:start + PROMPT_ROWS_AT_ONCE]
-        logits = model.logits(rows[None])[0]  # [rows, V]
-        entries += token_logprobs(logits, targets[start:start + PROMPT_ROWS_AT_ONCE], k)
+
+    def __init__(self, block_size: int, max_blocks: int = 4096):
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self._blocks: OrderedDict[int, tuple[int, list[TokenLogprob | None]]] = OrderedDict()  # key -> (k, entries)
+        self.hits = 0  # blocks whose scores a lookup handed out instead of their being computed again
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def lookup(self, prompt_token_ids: list[int], k: int) -> list[TokenLogprob | None]:
+        """The entries of the prompt's leading blocks kept with at least k top tokens: tokens
+        [0, len(result)), the first None. [None] when the first block is not kept."""
+        entries: list[TokenLogprob | None] = []
+        for key in block_keys(prompt_token_ids, self.block_size):
+            kept = self._blocks.get(key)
+            if kept is None or kept[0] < k:
+                break
+            self._blocks.move_to_end(key)
+            self.hits += 1
+            entries += [e if e is None else TokenLogprob(e.token_id, e.logprob, e.rank, e.top[:k]) for e in kept[1]]
+        return entries or [None]
+
+    def store(self, prompt_token_ids: list[int], entries: list[TokenLogprob | None], k: int) -> None:
+        """Keep the entries of each full block of the prompt (entries: one per prompt token)."""
+        b = self.block_size
+        for i, key in enumerate(block_keys(prompt_token_ids, b)):
+            if key not in self._blocks or self._blocks[key][0] < k:
+                self._blocks[key] = (k, entries[i * b:(i + 1) * b])
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+
+
+def prompt_logprobs(model, hidden_at, prompt_token_ids: list[int], k: int,
+                    cache: PromptScoreCache | None = None) -> list[TokenLogprob | None]:
+    """Every prompt token's score: [None, entry for token 1, ..., entry for token P - 1].
+
+    hidden_at(start, end) -> [end - start, hidden_size]: the last layer's output at
+    positions [start, end) (KVPool.hidden at the prompt's slots); position p's
+    logits, model.logits of it (the final norm and lm_head, as in every forward),
+    score token p + 1. Tokens whose blocks `cache` keeps are not scored again;
+    the rest are, PROMPT_ROWS_AT_ONCE positions at a time, and their blocks kept.
+    """
+    entries = cache.lookup(prompt_token_ids, k) if cache is not None else [None]
+    for first in range(len(entries), len(prompt_token_ids), PROMPT_ROWS_AT_ONCE):
+        last = min(first + PROMPT_ROWS_AT_ONCE, len(prompt_token_ids))
+        logits = model.logits(hidden_at(first - 1, last - 1)[None])[0]  # [last - first, V]
+        entries += token_logprobs(logits, prompt_token_ids[first:last], k)
+    if cache is not None:
+        cache.store(prompt_token_ids, entries, k)
     return entries
 
 

@@ -20,7 +20,9 @@
 #
 # Each run's lm-eval output is in build/eval-check/<backend>-<task>.log, the server's in
 # build/eval-check/server.log, the table in build/eval-check/report.md. Settings:
-#   EVAL_CHECK_CONCURRENT  requests lm-eval keeps in flight to the server (default 8)
+#   EVAL_CHECK_CONCURRENT  requests lm-eval keeps in flight to the server (default 2)
+#   EVAL_CHECK_MINICB_BATCH prompts lm-eval puts in each of them, as a list (default 16): one
+#                          request of the engine each, admitted together, so a step computes many
 #   EVAL_CHECK_HF_BATCH    the hf backend's --batch_size (default 8)
 #   EVAL_CHECK_TOKENIZER   local (default): lm-eval tokenizes for the server with the saved tokenizer
 #                          files, as for hf; remote: with the server's own /tokenize (lm-eval's
@@ -38,7 +40,8 @@ EVAL_PY="$EVAL_VENV/bin/python"
 OUT="${EVAL_CHECK_OUT:-build/eval-check}"
 TASKS=(minicb_facts_mc minicb_facts_gen)
 MODEL_NAME="SmolLM2-135M-Instruct"
-CONCURRENT="${EVAL_CHECK_CONCURRENT:-8}"
+CONCURRENT="${EVAL_CHECK_CONCURRENT:-2}"
+MINICB_BATCH="${EVAL_CHECK_MINICB_BATCH:-16}"
 HF_BATCH="${EVAL_CHECK_HF_BATCH:-8}"
 TOKENIZER_BACKEND="${EVAL_CHECK_TOKENIZER:-local}"
 MIN_SPEEDUP="${EVAL_CHECK_MIN_SPEEDUP:-}"
@@ -177,7 +180,7 @@ LOCAL_ARGS="$LOCAL_ARGS,tokenized_requests=True,num_concurrent=$CONCURRENT,max_r
 # add_bos_token=False: as the local-completions run sends its prompts, and as minicb encodes.
 HF_ARGS="pretrained=$CHECKPOINT,tokenizer=$TOKENIZER,dtype=float32,add_bos_token=False"
 for task in "${TASKS[@]}"; do
-    run_lm_eval minicb "$task" --model local-completions --model_args "$LOCAL_ARGS"
+    run_lm_eval minicb "$task" --model local-completions --model_args "$LOCAL_ARGS" --batch_size "$MINICB_BATCH"
     run_lm_eval hf "$task" --model hf --model_args "$HF_ARGS" --device cpu --batch_size "$HF_BATCH"
 done
 stop_server

@@ -23,6 +23,9 @@ Hypothesis draws a configuration and a workload:
   rules may change the text but never the agreement: they read each
   sequence's own history, a draft's verify row included (after the output and
   the drafts before it), and a preempted or forked sequence's too;
+- logprobs and prompt logprobs on some requests: the same tokens must get the
+  plain engine's scores (within 1e-4), whichever chunk, cached block or verify
+  row computed them;
 - aborts of whole requests or of single completions, at a random step.
 
 Each workload runs on the tiny random model, and every completion that was not
@@ -79,6 +82,12 @@ def sampling_rules(draw, prompt: list[int], max_tokens: int) -> dict:
                 min_p=draw(st.sampled_from([0.0, 0.1, 0.5])))
 
 
+def scores_asked(draw) -> dict:
+    """Logprobs and prompt logprobs, in about 1 of 3 requests each (minicb/logprobs.py)."""
+    return dict(logprobs=draw(st.none() | st.none() | st.integers(0, 3)),
+                prompt_logprobs=draw(st.none() | st.none() | st.integers(0, 2)))
+
+
 @st.composite
 def workloads(draw):
     """(engine config, requests): each request is (arrival step, prompt, params, abort), abort None or
@@ -103,7 +112,7 @@ def workloads(draw):
         max_tokens = draw(st.integers(1, 6) | st.integers(7, 16))  # longer runs give prompt lookup its repeats
         params = SamplingParams(max_tokens=max_tokens, n=n, temperature=0.9 if seeded else 0.0,
                                 seed=draw(st.integers(0, 2**16)) if seeded else None,
-                                **sampling_rules(draw, prompt, max_tokens))
+                                **sampling_rules(draw, prompt, max_tokens), **scores_asked(draw))
         abort = draw(st.none() | st.tuples(st.integers(0, 12), st.none() | st.integers(0, n - 1)))
         requests.append((draw(st.just(0) | st.integers(0, 6)), prompt, params, abort))
     # The smallest pool lets the longest request run alone to its end: every tighter
@@ -130,11 +139,12 @@ def serve(config: dict, requests: list, aborts: bool = True):
     """Run `requests` through an engine built from `config`, step by step.
 
     Returns ({(request index, completion): (tokens, finish reason)} of the completions
-    that finished, the set of (index, completion) that were aborted). Checks the
-    streamed tokens, and that nothing is left behind.
+    that finished, the set of (index, completion) that were aborted, and
+    {(index, completion): (its tokens' logprobs, the prompt's)} of those that asked).
+    Checks the streamed tokens and their scores, and that nothing is left behind.
     """
     engine = Engine(MODEL, EngineConfig(**config))
-    index_of, streamed, results, aborted = {}, {}, {}, set()
+    index_of, streamed, results, aborted, scores = {}, {}, {}, set(), {}
     rid_of, step = {}, 0
     pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
     while pending or engine.has_unfinished():
@@ -159,19 +169,25 @@ def serve(config: dict, requests: list, aborts: bool = True):
         check_blocks(engine)
         for t in out.new_tokens:
             streamed.setdefault((index_of[t.request_id], t.completion), []).append(t.token)
+            assert (t.logprobs is None) == (requests[index_of[t.request_id]][2].logprobs is None), (
+                f"request {index_of[t.request_id]}: a token's score is {t.logprobs}, asked for "
+                f"{requests[index_of[t.request_id]][2].logprobs}")
         for seq in out.finished:
             key = (index_of[seq.request_id], seq.completion)
             assert key not in results, f"request {key[0]} completion {key[1]} finished twice"
             assert streamed.get(key) == seq.output_token_ids, (
                 f"request {key[0]} completion {key[1]}: streamed {streamed.get(key)}, final {seq.output_token_ids}")
             results[key] = (seq.output_token_ids, seq.finish_reason)
+            if seq.params.logprobs is not None or seq.params.prompt_logprobs is not None:
+                prompt = seq.prompt_logprobs or [None]
+                scores[key] = ([e.logprob for e in seq.logprobs], [e and e.logprob for e in prompt[1:]])
         step += 1
         assert step < 3000, f"no progress: {len(results)} completions finished after {step} steps"
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks, (
         f"{engine.allocator.num_free_blocks} of {engine.allocator.num_blocks} blocks are free after the run")
     assert not engine.sequences and not engine.scheduler.running and not any(engine.scheduler.slots), (
         f"the engine still holds {sorted(engine.sequences)}")
-    return results, aborted
+    return results, aborted, scores
 
 
 def check_blocks(engine: Engine) -> None:
@@ -199,9 +215,9 @@ def check_blocks(engine: Engine) -> None:
 def plain(requests: list) -> dict:
     """The oracle: chapter 06's engine with room for everyone at once, no aborts."""
     width = sum(params.n for _, _, params, _ in requests)
-    results, _ = serve(dict(max_num_seqs=width, num_blocks=64 * width, cuda_graphs=False, keep_traces=0),
-                       [(0, prompt, params, None) for _, prompt, params, _ in requests], aborts=False)
-    return results
+    results, _, scores = serve(dict(max_num_seqs=width, num_blocks=64 * width, cuda_graphs=False, keep_traces=0),
+                               [(0, prompt, params, None) for _, prompt, params, _ in requests], aborts=False)
+    return results, scores
 
 
 # A fixed seed, not derandomize=True: the same examples on every run, drawn the way a
@@ -216,8 +232,8 @@ def test_every_feature_mix_gives_the_plain_engines_tokens(workload):
     note(f"config {config}")
     for i, request in enumerate(requests):
         note(f"request {i}: arrives at step {request[0]}, prompt {request[1]}, {request[2]}, abort {request[3]}")
-    got, aborted = serve(config, requests)
-    want = plain(requests)
+    got, aborted, got_scores = serve(config, requests)
+    want, want_scores = plain(requests)
     expected = {(i, c) for i, (_, _, params, _) in enumerate(requests) for c in range(params.n)}
     assert got.keys() | aborted == expected and not got.keys() & aborted, (
         f"every completion must finish or be aborted, once: missing {sorted(expected - got.keys() - aborted)}, "
@@ -235,6 +251,11 @@ def test_every_feature_mix_gives_the_plain_engines_tokens(workload):
         assert (tokens, reason) == (want_tokens, want_reason), (
             f"request {key[0]} completion {key[1]}: finish {reason!r} vs the plain engine's {want_reason!r}; "
             f"{first_difference(tokens, want_tokens, ('engine', 'plain engine'))}")
+        if key in want_scores:  # the same tokens scored: the same numbers, whoever computed the K/V
+            for name, a, b in zip(("logprobs", "prompt logprobs"), got_scores[key], want_scores[key]):
+                worst = max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+                assert len(a) == len(b) and worst <= 1e-4, (
+                    f"request {key[0]} completion {key[1]}: {name} {a} vs the plain engine's {b}")
 
 
 def test_the_fuzzer_reaches_every_feature():
@@ -243,7 +264,7 @@ def test_the_fuzzer_reaches_every_feature():
     seen = {"caching": 0, "chunked": 0, "budget 1": 0, "runner": 0, "speculation": 0, "n > 1": 0, "seeded": 0,
             "abort": 0, "repeat": 0, "tight pool": 0, "gather decode": 0, "min_tokens with stop tokens": 0,
             "repetition penalty": 0, "presence/frequency penalty": 0, "min_p sampled": 0,
-            "rules with speculation": 0}
+            "rules with speculation": 0, "logprobs": 0, "prompt logprobs with caching": 0}
     examples = []
 
     @SEED
@@ -273,6 +294,9 @@ def test_the_fuzzer_reaches_every_feature():
         seen["presence/frequency penalty"] += any(s.presence_penalty or s.frequency_penalty for s in params)
         seen["min_p sampled"] += any(s.min_p and not s.greedy for s in params)
         seen["rules with speculation"] += "speculative_ngram" in config and any(s.history_rules for s in params)
+        seen["logprobs"] += any(s.logprobs is not None for s in params)
+        seen["prompt logprobs with caching"] += config["enable_prefix_caching"] and any(
+            s.prompt_logprobs is not None for s in params)
     assert all(seen.values()), f"the strategy never drew some features in 300 examples: {seen}"
 
 
@@ -286,5 +310,6 @@ def test_a_chunked_prompt_with_n_2_forks_into_its_promised_slots(caching):
                 (0, [50, 51], SamplingParams(max_tokens=4), None)]
     config = dict(block_size=4, max_num_seqs=4, num_blocks=32, enable_chunked_prefill=True,
                   max_num_batched_tokens=5, enable_prefix_caching=caching)
-    got, _ = serve(config, requests)
-    assert got == plain(requests), f"chunked with n = 2, 2, 1: {got} vs the plain engine's {plain(requests)}"
+    got, _, _ = serve(config, requests)
+    want, _ = plain(requests)
+    assert got == want, f"chunked with n = 2, 2, 1: {got} vs the plain engine's {want}"

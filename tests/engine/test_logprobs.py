@@ -5,7 +5,8 @@ the whole text (prompt + what the engine generated) in one forward, and its
 log_softmax at position p scores the token at p + 1 (teacher forcing). Every
 engine feature that changes how the tokens were computed must leave the scores
 alone: chunked prefill (the prompt's logprobs come from several steps),
-prefix caching (from blocks another request computed), speculation (generated
+prefix caching (from blocks another request computed), the engine's cache of
+scored prompt blocks (a shared prefix is scored once), speculation (generated
 tokens come from verify rows), n > 1 (the completions' first tokens share a
 row), preemption (recomputed K/V).
 """
@@ -34,7 +35,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny random Llama saved as an HF checkpoint, and HF's model of it."""
+    """A tiny random Llama saved as an HF checkpoint, and HF's model of it (on the CPU: the oracle)."""
     from transformers import AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -65,9 +66,9 @@ def check_entry(entry, oracle_row: torch.Tensor, token: int, k: int, where: str)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_scores_equal_hf_teacher_forced(checkpoint, name):
+def test_scores_equal_hf_teacher_forced(checkpoint, name, device):
     path, hf = checkpoint
-    llm = LLM(str(path), device="cpu", **CONFIGS[name])
+    llm = LLM(str(path), device=device, **CONFIGS[name])
     params = SamplingParams(max_tokens=8, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for i, out in enumerate(outs):
@@ -80,22 +81,25 @@ def test_scores_equal_hf_teacher_forced(checkpoint, name):
         assert len(out.outputs[0].logprobs) == len(out.token_ids)
         for j, entry in enumerate(out.outputs[0].logprobs):
             check_entry(entry, oracle[start + j - 1], ids[start + j], 3, f"{name}, prompt {i}, output token {j}")
+    assert llm.engine.prompt_scores.hits > 0, "no prompt took SHARED's scored blocks: the test saw no score cache"
     if name == "prefix caching":
         assert sum(o.metrics.num_cached_tokens for o in outs) > 0, "no prompt hit the cache: the test saw nothing"
     if name == "preemption":
         assert sum(o.metrics.num_preemptions for o in outs) > 0, "nothing was preempted: the test saw nothing"
 
 
-def test_prompt_scores_from_cached_blocks_equal_computed_ones(checkpoint):
-    """The second request takes SHARED's full blocks from the cache: its prompt scores come from
-    hidden states another request left in them, and must equal a run with caching off."""
+def test_prompt_scores_from_cached_blocks_equal_computed_ones(checkpoint, device):
+    """The second request takes SHARED's full blocks from the prefix cache: its prompt scores come
+    from hidden states another request (which asked for no scores) left in them, and must equal a
+    run with caching off."""
     path, _ = checkpoint
     params = SamplingParams(max_tokens=1, prompt_logprobs=5)
     scores = {}
     for caching in (False, True):
-        llm = LLM(str(path), device="cpu", enable_prefix_caching=caching)
-        llm.generate([PROMPTS[0]], params, use_tqdm=False)
+        llm = LLM(str(path), device=device, enable_prefix_caching=caching)
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)
         out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+        assert llm.engine.prompt_scores.hits == 0, "scores came from the score cache, not the blocks"
         assert out.metrics.num_cached_tokens == (32 if caching else 0), out.metrics.num_cached_tokens
         scores[caching] = out.prompt_logprobs
     for p, (off, on) in enumerate(zip(scores[False][1:], scores[True][1:]), start=1):
@@ -103,9 +107,9 @@ def test_prompt_scores_from_cached_blocks_equal_computed_ones(checkpoint):
         assert [t for t, _ in off.top] == [t for t, _ in on.top], f"prompt token {p}: top {off.top} against {on.top}"
 
 
-def test_n_completions_score_their_own_tokens(checkpoint):
+def test_n_completions_score_their_own_tokens(checkpoint, device):
     path, hf = checkpoint
-    llm = LLM(str(path), device="cpu")
+    llm = LLM(str(path), device=device)
     out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=4, logprobs=0,
                                                     ignore_eos=True), use_tqdm=False)[0]
     for c in out.outputs:
@@ -116,11 +120,11 @@ def test_n_completions_score_their_own_tokens(checkpoint):
             check_entry(entry, oracle[start + j - 1], ids[start + j], 0, f"completion {c.index}, token {j}")
 
 
-def test_scores_are_the_model_s_before_any_sampling_rule(checkpoint):
+def test_scores_are_the_model_s_before_any_sampling_rule(checkpoint, device):
     """Temperature and penalties change what is sampled, not the scores: the same tokens teacher-forced
     give the same logprobs as HF's raw distribution."""
     path, hf = checkpoint
-    llm = LLM(str(path), device="cpu")
+    llm = LLM(str(path), device=device)
     out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=6, temperature=0.3, seed=1, logprobs=1, ignore_eos=True,
                                                     repetition_penalty=1.5, presence_penalty=1.0, min_tokens=3),
                        use_tqdm=False)[0]
@@ -151,3 +155,20 @@ def test_token_logprobs_checks_its_arguments():
             SamplingParams(logprobs=bad)
         with pytest.raises(ValueError, match="prompt_logprobs="):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_the_score_cache_serves_only_what_it_was_asked_with():
+    """A block scored with top 2 serves a request for top 1 (cut) or 2, not one for top 3, and a prompt
+    that differs in its first block finds nothing."""
+    from minicb.logprobs import PromptScoreCache, TokenLogprob
+
+    cache = PromptScoreCache(block_size=2, max_blocks=2)
+    prompt = [5, 6, 7, 8, 9]
+    entries = [None] + [TokenLogprob(t, -1.0 * t, 1, [(t, -1.0 * t), (0, -9.0)]) for t in prompt[1:]]
+    cache.store(prompt, entries, k=2)
+    assert len(cache) == 2  # two full blocks; the fifth token's block is not full
+    cut = cache.lookup(prompt, k=1)
+    assert [e and (e.token_id, e.top) for e in cut] == [None, (6, [(6, -6.0)]), (7, [(7, -7.0)]), (8, [(8, -8.0)])]
+    assert cache.lookup(prompt, k=3) == [None] and cache.lookup([4] + prompt[1:], k=1) == [None]
+    cache.store([1, 2, 3, 4], [None] + entries[1:4], k=2)  # two more blocks: the least recently used go
+    assert len(cache) == 2 and cache.lookup(prompt, k=1) == [None]
