@@ -339,15 +339,21 @@ class Engine:
         """
         if all(seq.params.logprobs is None for seq in out.sequences):
             return []
-        scores, row = [], 0
-        for seq, tokens in zip(out.sequences, sampled):
-            num_rows = 1 + len(out.drafts(seq))
-            if seq.params.logprobs is None or not tokens:
-                scores.append([])
-            else:
-                rows = [row + j for j in range(len(tokens))] if out.drafts(seq) else [row] * len(tokens)
-                scores.append(token_logprobs(logits[rows], tokens, seq.params.logprobs))
-            row += num_rows
+        rows, tokens, counts, row = [], [], [], 0  # one scoring call for the whole step
+        for seq, sampled_tokens in zip(out.sequences, sampled):
+            asks = seq.params.logprobs is not None
+            count = len(sampled_tokens) if asks else 0
+            rows += [row + j for j in range(count)] if out.drafts(seq) else [row] * count
+            tokens += sampled_tokens[:count]
+            counts.append(count)
+            row += 1 + len(out.drafts(seq))
+        k = max(seq.params.logprobs or 0 for seq in out.sequences)
+        entries = token_logprobs(logits[rows], tokens, k)
+        scores, start = [], 0
+        for seq, count in zip(out.sequences, counts):
+            mine = entries[start:start + count]
+            scores.append([TokenLogprob(e.token_id, e.logprob, e.rank, e.top[:seq.params.logprobs]) for e in mine])
+            start += count
         return scores
 
     def score_prompts(self, out: SchedulerOutput) -> dict[int, list[TokenLogprob | None]]:
