@@ -25,7 +25,9 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; give some text to answer")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, min_tokens=args.min_tokens,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, **engine_config(args))
     if llm.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer files, so text prompts cannot be encoded")
@@ -72,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_engine_args(g)  # every EngineConfig field: --attention triton, --no-cuda-graphs, ...
 
