@@ -42,7 +42,7 @@ Tests: tests/serve/test_server_tokenizer.py.
 from __future__ import annotations
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from minicb.serve import chat
 from minicb.serve import protocol as p
@@ -51,13 +51,7 @@ from minicb.serve.app import APIError, Server, ServerState, check_model
 # ---- the wire format --------------------------------------------------------------------------------
 
 
-class _Exact(p._Strict):
-    """Strict types, and a field these models do not have is refused by name (whatever the chat models do)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class TokenizeRequest(_Exact):
+class TokenizeRequest(p._Strict):
     """POST /tokenize: a text (`prompt`) or a chat (`messages`), one of the two."""
 
     model: str | None = None
@@ -77,7 +71,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None  # with return_token_strs
 
 
-class DetokenizeRequest(_Exact):
+class DetokenizeRequest(p._Strict):
     model: str | None = None
     tokens: list[int]
 
