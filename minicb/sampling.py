@@ -150,6 +150,10 @@ def apply_rules(logits: torch.Tensor, params: list[SamplingParams],
             counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=row.device),
                                     minlength=vocab).to(row.dtype)  # [V]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        # A penalty far from 1 (1e-250) sends a logit past float32's range. +inf would make the
+        # softmax NaN (inf - inf), so it becomes the largest finite logit; -inf (a mask, or an
+        # overflow downwards) stays: that token just cannot come.
+        torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max, neginf=float("-inf"), out=row)
     return logits
 
 

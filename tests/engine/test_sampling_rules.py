@@ -401,3 +401,17 @@ def test_speculation_keeps_the_distribution_under_the_rules():
     assert p_value > 0.001, (
         f"with the rules and speculation the tokens do not follow the processed distribution: chi-square "
         f"{statistic:.1f} with {dof} degrees of freedom, p = {p_value:.2g}. Largest gaps: {worst_cells(counts, probs)}")
+
+
+@pytest.mark.parametrize("speculating", [False, True], ids=["plain", "speculation"])
+@pytest.mark.parametrize("penalty", [1e-252, 1e300])
+def test_a_penalty_past_float32_still_gives_tokens(penalty, speculating):
+    """A repetition penalty of 1e-252 divides a positive logit past float32's range: the rule keeps
+    it the largest finite logit, so sampling (and chapter 11's rejection sampling) stays defined."""
+    spec = {"speculative_ngram": 1, "num_speculative_tokens": 3} if speculating else {}
+    llm = LLM.from_model(random_model(seed=5), **spec)
+    prompt = [7, 8, 7, 8, 7, 8, 7]
+    for temperature in (0.0, 1.0):
+        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=temperature, seed=3, ignore_eos=True,
+                                                    repetition_penalty=penalty), use_tqdm=False)[0]
+        assert len(out.token_ids) == 6 and all(0 <= t < 256 for t in out.token_ids), out.token_ids

@@ -229,16 +229,14 @@ def test_requests_that_once_failed_get_a_400_naming_the_field_or_an_answer():
         assert health["step_failures"] == 0 and health["kv_blocks_free"] == health["kv_blocks"], f"{health}"
 
 
-# Found by probing the floats the fuzzing phase draws, and not fixed here: the engine's sampling
-# (minicb/sampling.py) fails on them, through LLM.generate too. `probabilities` divides the logits
-# by a temperature so small that they overflow float32 (then inf - inf is NaN), and a top_p under
-# float32's smallest number rounds to 0, which drops every token. The step fails, and with it every
-# request in the batch, not only this one. Strict: once the engine is fixed this test fails, until
-# the mark goes.
 # These once made a step fail, and every request in it with a 500 (a tiny temperature overflowed
-# the logits; a top_p that rounds to 0 in float32 dropped every token): minicb/sampling.py now
-# shifts the logits before dividing and always keeps the most likely token.
-ENGINE_FAILS = {"temperature 1e-300": {"temperature": 1e-300}, "top_p 5e-324": {"temperature": 1.0, "top_p": 5e-324}}
+# the logits; a top_p that rounds to 0 in float32 dropped every token; a repetition penalty of
+# 1e-252, found by the fuzzing above, sent the prompt's logits to inf): minicb/sampling.py now
+# shifts the logits before dividing, always keeps the most likely token, and keeps a penalized
+# logit finite.
+ENGINE_FAILS = {"temperature 1e-300": {"temperature": 1e-300}, "top_p 5e-324": {"temperature": 1.0, "top_p": 5e-324},
+                "repetition_penalty 1e-252": {"temperature": 1.0, "repetition_penalty": 1.2327768416713013e-252},
+                "repetition_penalty 1e300, greedy": {"temperature": 0.0, "repetition_penalty": 1e300}}
 
 
 def test_sampling_at_the_edge_of_float32_gets_an_answer_or_a_400():
