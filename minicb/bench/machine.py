@@ -19,3 +19,11 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def device_name(device) -> str:
+    """What a figure ran on, in words: "cpu (Intel(R) Xeon(R) ...)" or the GPU's name."""
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({cpu_model()})"

@@ -18,9 +18,10 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 
 import torch
+
+from minicb.bench.machine import device_name
 
 from minicb.bench.runners import BASELINES
 
@@ -90,7 +91,7 @@ def machine_info(args, argv: list[str], device: torch.device) -> dict:
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": "python -m minicb bench " + " ".join(argv),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "device": device_name(device),
         "torch": torch.__version__, "transformers": version("transformers"), "threads": torch.get_num_threads(),
         "model": args.model or "embedded SmolLM2-135M-Instruct", "dtype": args.dtype,
         "slots": args.max_num_seqs, "hf_batch": args.hf_batch, "block_size": args.block_size, "attention": args.attention,

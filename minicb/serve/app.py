@@ -64,6 +64,7 @@ from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minicb.bench.machine import device_name
 from minicb.engine import Engine
 from minicb.sampling import SamplingParams
 from minicb.scheduler import RequestRejected
@@ -166,6 +167,11 @@ class ServerState:
     @property
     def decode(self):
         return self.tokenizer.decode if self.tokenizer is not None else None
+
+    @functools.cached_property
+    def device(self) -> str:
+        """What the engine computes on, in words ("cpu (Intel(R) Xeon(R) ...)"), for /health."""
+        return device_name(self.engine.model.device)
 
     @functools.cached_property
     def texts(self) -> TokenTexts:
@@ -580,7 +586,8 @@ async def health(server: Server):
     # Steps that raised: their requests got a 500 (or an error event) and the engine was reset.
     # The pool as the engine thread last published it: this thread never reads the engine.
     stats = loop.snapshot
-    return {"status": "ok", "step_failures": loop.num_step_failures, "last_step_failure": loop.last_step_failure,
+    return {"status": "ok", "device": server.device, "step_failures": loop.num_step_failures,
+            "last_step_failure": loop.last_step_failure,
             "kv_blocks_free": stats.num_free_blocks, "kv_blocks": stats.num_blocks}
 
 

@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     # Only now, with the arguments read: `--help` answers without loading torch.
     from minicb.triton_mode import choose_triton_mode
     choose_triton_mode()  # before anything imports triton: interpret its kernels when there is no GPU
+    from minicb.bench.machine import device_name
     from minicb.llm import build
     from minicb.serve.app import MAX_BODY_BYTES, create_app
 
@@ -187,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or model_name(args.model)
     max_body_bytes = MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     app = create_app(built, name, max_waiting=args.max_waiting, max_body_bytes=max_body_bytes)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 (dashboard: http://{args.host}:{args.port}/)",
-          flush=True)
+    where = device_name(built.model.device)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (dashboard: http://{args.host}:{args.port}/) "
+          f"on {where}", flush=True)
     make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level).run()
     return 0
 

@@ -408,8 +408,10 @@ def test_engine_loop_close_ends_every_completion_even_those_not_forked_yet():
 def test_models_health_metrics_and_dashboard_feed():
     with tiny_server(max_num_seqs=4) as (url, _), httpx.Client(base_url=url, timeout=20) as client:
         health = client.get("/health").json()
-        assert health == {"status": "ok", "step_failures": 0, "last_step_failure": None,
-                          "kv_blocks_free": health["kv_blocks"], "kv_blocks": health["kv_blocks"]}, health
+        from minicb.bench.machine import cpu_model
+        assert health == {"status": "ok", "device": f"cpu ({cpu_model()})", "step_failures": 0,
+                          "last_step_failure": None, "kv_blocks_free": health["kv_blocks"],
+                          "kv_blocks": health["kv_blocks"]}, health
         models = client.get("/v1/models").json()
         assert models["object"] == "list" and [m["id"] for m in models["data"]] == [TINY]
         page = client.get("/")
