@@ -44,6 +44,12 @@ class EngineConfig:
         "help": "how attention=torch decodes on a CPU in fp32: compiled (minicb/cpu_attention.py, Numba, reading "
                 "the blocks in place; chapter 04's gather when Numba is missing) or gather (chapter 04's code as a "
                 "GPU runs it)", "choices": ["compiled", "gather"]})
+    linear_backend: str = field(default="auto", metadata={
+        "help": "the CPU's matmul library for oneDNN-packed linear layers (minicb/linear_backend.py): auto times "
+                "MKL and oneDNN on the model's shapes at 1, 4 and max_num_seqs rows when the engine is built and "
+                "keeps, per shape, MKL below the row count where oneDNN gets faster; mkl or onednn forces one. A "
+                "model without packed layers (a GPU, load_model(packed=False)) runs MKL's or the GPU's",
+        "choices": ["auto", "mkl", "onednn"]})
     tile_prefill: bool | None = field(default=None, metadata={
         "help": "attention=triton: prefill with the query-tile kernel (minicb/tile_attention.py) instead of chapter "
                 "05's; none (neither flag): when the kernels are compiled (under the Triton interpreter chapter "
@@ -104,7 +110,7 @@ class EngineConfig:
         whole("keep_traces", self.keep_traces, low=0, none_ok=True)
         whole("speculative_ngram", self.speculative_ngram, none_ok=True)
         whole("num_speculative_tokens", self.num_speculative_tokens)
-        for name in ("attention", "cpu_decode"):
+        for name in ("attention", "cpu_decode", "linear_backend"):
             allowed = next(f for f in fields(self) if f.name == name).metadata["choices"]
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")

@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 
 from minicb.config import EngineConfig  # the settings (minicb/config.py); importable from here too
+from minicb.linear_backend import use_linear_backend
 from minicb.logprobs import PromptScoreCache, TokenLogprob, prompt_logprobs, token_logprobs
 from minicb.model import Model
 from minicb.model_runner import prepare
@@ -125,6 +126,9 @@ class Engine:
         self.model, self.config = model, config or (parts.config if parts is not None else EngineConfig())
         self.config.validate()  # its fields may have been changed since it was made
         self.parts = parts or EngineParts.from_environment(self.config)
+        # The matmul library of each packed linear layer, by row count: measured for "auto" (minicb/linear_backend.py).
+        self.linear_choice = use_linear_backend(model, self.config.linear_backend,
+                                                rows=sorted({1, 4, self.config.max_num_seqs}))
         self.num_blocks = self.parts.num_blocks(model)
         self.seq_ids = itertools.count()  # every sequence's id (a request is named by its first), never reused
         self.attention = self.parts.attention(model)  # minicb/attention_backends.py

@@ -43,6 +43,9 @@ class PackedLinear(nn.Module):
         # opaque oneDNN tensor. forward falls back to F.linear when it no longer fits.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self._packed_from = self._weight_state()
+        # Calls with fewer rows than this go to MKL (F.linear on the same weight), the rest to
+        # oneDNN: minicb/linear_backend.py measures where MKL stops being the faster. 0: oneDNN always.
+        self.mkl_below = 0
 
     def _weight_state(self) -> tuple[int, int]:
         # Where the weight lives and how often it was written in place (load_state_dict, copy_).
@@ -51,6 +54,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != torch.float32 or self._weight_state() != self._packed_from:
             return F.linear(x, self.weight, self.bias)  # moved, cast or written since packing
+        if self.mkl_below and x.numel() < self.mkl_below * self.in_features:  # few rows: MKL's fast path
+            return F.linear(x, self.weight, self.bias)
+        return self.onednn(x)
+
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """The product from the packed weight, whatever the row count. x [..., in] fp32 on the CPU."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

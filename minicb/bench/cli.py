@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                       else args.num_blocks)
         configs = minicb_engine_configs(args, num_blocks)
         llm = LLM.from_model(model, tokenizer, **configs["minicb-continuous"])
+        report["meta"]["linear_layers"] = llm.engine.linear_choice.describe()  # every minicb engine shares them
+        print(f"{report['meta']['device']}; linear layers: {report['meta']['linear_layers']}")
         # minicb-continuous without CUDA graphs (on a CPU the same engine): one, reused like llm's.
         eager_llm = (LLM.from_model(model, tokenizer, **configs["minicb-eager"])
                      if "minicb-eager" in args.engines.split(",") else None)

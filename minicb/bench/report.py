@@ -95,7 +95,7 @@ def machine_info(args, argv: list[str], device: torch.device) -> dict:
         "torch": torch.__version__, "transformers": version("transformers"), "threads": torch.get_num_threads(),
         "model": args.model or "embedded SmolLM2-135M-Instruct", "dtype": args.dtype,
         "slots": args.max_num_seqs, "hf_batch": args.hf_batch, "block_size": args.block_size, "attention": args.attention,
-        "packed_linear": not args.unpacked, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "packed_linear": not args.unpacked, "linear_backend": args.linear_backend, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
     }
 

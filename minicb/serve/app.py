@@ -586,7 +586,8 @@ async def health(server: Server):
     # Steps that raised: their requests got a 500 (or an error event) and the engine was reset.
     # The pool as the engine thread last published it: this thread never reads the engine.
     stats = loop.snapshot
-    return {"status": "ok", "device": server.device, "step_failures": loop.num_step_failures,
+    return {"status": "ok", "device": server.device, "linear_backend": server.engine.linear_choice.describe(),
+            "step_failures": loop.num_step_failures,
             "last_step_failure": loop.last_step_failure,
             "kv_blocks_free": stats.num_free_blocks, "kv_blocks": stats.num_blocks}
 

@@ -1,0 +1,183 @@
+"""Which matmul library runs each linear layer on a CPU: chosen by measuring, once, at load.
+
+In this file you will learn why a serving engine on a CPU should time its own
+matmuls rather than trust a default. torch offers two libraries for a float32
+linear layer: Intel's MKL (`F.linear`, torch's default) and oneDNN, from a
+weight packed once into its own blocked layout (minicb/packed_linear.py). Which
+is faster depends on the CPU and on the number of rows: on this project's AMD
+machine oneDNN was 1.1-1.9x MKL at every row count; on an Intel Xeon, MKL took
+its fast path and was 1.4-2.7x oneDNN at one row (a single request decoding),
+while oneDNN won at 32. A default right on one vendor is wrong on the other.
+
+So `choose` times both on the model's own shapes, at the row counts the engine
+will run (1, a few, max_num_seqs), a few milliseconds each, and keeps per shape
+a row threshold: rows below it go to MKL, rows from it on to oneDNN. A
+`PackedLinear` keeps the plain weight beside the packed one, so switching per
+call costs nothing. `linear_backend` (EngineConfig) forces one library instead:
+"mkl" or "onednn"; "auto" measures.
+
+    choice = use_linear_backend(model, "auto", rows=[1, 4, 32])
+    choice.describe()      # "576x576: mkl below 32 rows, onednn from 32; ..."
+
+`pick_thresholds` is the decision alone, from timings, so a test can hand it
+timings of its own and see it pick each library when it is the faster.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from minicb.packed_linear import PackedLinear
+
+BACKENDS = ("auto", "mkl", "onednn")
+ALWAYS_MKL = 2**62  # a threshold no row count reaches
+
+
+@dataclass
+class LinearChoice:
+    """What was chosen: per (in, out) shape, the first row count that goes to oneDNN."""
+
+    backend: str  # the setting: auto, mkl or onednn
+    thresholds: dict[tuple[int, int], int] = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # (shape, rows, library) -> seconds, when measured
+    seconds: float = 0.0  # what measuring cost
+    note: str = ""  # why nothing was chosen, when nothing could be
+
+    def describe(self) -> str:
+        if self.note:
+            return f"{self.backend}: {self.note}"
+        parts = []
+        for (i, o), threshold in sorted(self.thresholds.items()):
+            if threshold == 0:
+                parts.append(f"{i}x{o} onednn")
+            elif threshold >= ALWAYS_MKL:
+                parts.append(f"{i}x{o} mkl")
+            else:
+                parts.append(f"{i}x{o} mkl below {threshold} rows, onednn from {threshold}")
+        measured = f" (measured in {self.seconds:.2f} s)" if self.timings else ""
+        return f"{self.backend}{measured}: " + "; ".join(parts)
+
+
+def pick_thresholds(timings: dict, rows: list[int]) -> dict[tuple[int, int], int]:
+    """Per shape, the row count from which oneDNN is used: the smallest r such that oneDNN was the
+    faster at r and at every larger row count timed; ALWAYS_MKL if it never was at the largest.
+
+    timings: (shape, rows, "mkl" | "onednn") -> seconds, for every shape and every r in `rows`.
+    """
+    shapes = sorted({shape for shape, _, _ in timings})
+    rows = sorted(rows)
+    thresholds = {}
+    for shape in shapes:
+        threshold = ALWAYS_MKL
+        for r in reversed(rows):
+            if timings[(shape, r, "onednn")] < timings[(shape, r, "mkl")]:
+                threshold = r
+            else:
+                break
+        thresholds[shape] = 0 if threshold == rows[0] else threshold
+    return thresholds
+
+
+def time_call(fn, repeats: int) -> float:
+    """The best of `repeats` calls, after one to warm up, in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def measure(layers: list[PackedLinear], rows: list[int], repeats: int = 5) -> dict:
+    """(shape, rows, library) -> seconds for one layer of each shape, each library, each row count, in turns."""
+    timings = {}
+    seen = {}
+    for layer in layers:
+        seen.setdefault((layer.in_features, layer.out_features), layer)
+    with torch.inference_mode():
+        for shape, layer in seen.items():
+            for r in rows:
+                x = torch.randn(r, shape[0], dtype=layer.weight.dtype)
+                timings[(shape, r, "mkl")] = time_call(lambda: F.linear(x, layer.weight, layer.bias), repeats)
+                timings[(shape, r, "onednn")] = time_call(lambda: layer.onednn(x), repeats)
+    return timings
+
+
+def use_linear_backend(model, backend: str, rows: list[int], timings: dict | None = None) -> LinearChoice:
+    """Set which library each of `model`'s linear layers uses, by row count; return the choice.
+
+    backend "mkl" or "onednn" forces it; "auto" measures (or takes `timings`, for tests). A model
+    whose linear layers are plain nn.Linear (load_model(packed=False), a model built by hand, or
+    not a float32 model on a CPU) has only MKL's: "auto" and "mkl" leave it so, "onednn" is refused.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"linear_backend={backend!r} is not one of {list(BACKENDS)}")
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not layers:
+        if backend == "onednn":
+            raise ValueError("linear_backend='onednn' needs oneDNN-packed linear layers, and this model has none "
+                             "(a model on a GPU or not in float32, load_model(packed=False), or one built by hand: "
+                             "minicb.packed_linear.pack_linears packs a CPU float32 model); use 'auto' or 'mkl'")
+        return LinearChoice(backend, note="no packed layers, so every matmul is MKL's (or the GPU's)")
+    shapes = sorted({(m.in_features, m.out_features) for m in layers})
+    began = time.perf_counter()
+    if backend == "auto":
+        timings = timings if timings is not None else measure(layers, rows)
+        thresholds = pick_thresholds(timings, rows)
+    else:
+        timings, thresholds = {}, {s: (ALWAYS_MKL if backend == "mkl" else 0) for s in shapes}
+    for m in layers:
+        m.mkl_below = thresholds[(m.in_features, m.out_features)]
+    return LinearChoice(backend, thresholds, timings, time.perf_counter() - began)
+
+
+# ----------------------------------------------------------------------------
+# The choice against each library alone: python -m minicb.linear_backend [--rounds 3]
+#
+# A SmolLM2 decode step at 1 and at 32 slots (chat prompts, 60 tokens each),
+# with linear_backend auto, mkl and onednn in turns, `rounds` times; each the
+# median of 10 decode steps.
+
+if __name__ == "__main__":
+    import argparse
+    import statistics
+
+    from minicb.bench.machine import cpu_model
+    from minicb.data import load_chat_prompts
+    from minicb.llm import LLM
+    from minicb.sampling import SamplingParams
+
+    parser = argparse.ArgumentParser(description="a decode step with each linear_backend, in turns")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    llm = LLM(device="cpu", max_num_seqs=32)
+    engine = llm.engine
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in load_chat_prompts(32)]
+
+    def decode_step_ms(num_requests: int) -> float:
+        for ids in prompts[:num_requests]:
+            engine.add_request(ids, SamplingParams(max_tokens=60, ignore_eos=True))
+        while any(not s.output_token_ids for s in engine.sequences.values()):
+            engine.step()
+        steps = [engine.step().time_s for _ in range(10)]
+        for rid in {s.request_id for s in engine.sequences.values()}:
+            engine.abort(rid)
+        return statistics.median(steps) * 1e3
+
+    measured = engine.linear_choice  # the engine's own "auto", kept so every round uses the same choice
+    results = {(b, n): [] for b in BACKENDS for n in (1, 32)}
+    decode_step_ms(4)  # warm-up
+    for _ in range(args.rounds):
+        for backend in BACKENDS:
+            use_linear_backend(llm.model, backend, [1, 4, 32], timings=measured.timings if backend == "auto" else None)
+            for n in (1, 32):
+                results[(backend, n)].append(decode_step_ms(n))
+    print(f"CPU: {cpu_model()}; {measured.describe()}")
+    print("| linear_backend | 1 slot | 32 slots |\n|---|---:|---:|")
+    for backend in BACKENDS:
+        print(f"| {backend} | " + " | ".join(f"{statistics.median(results[(backend, n)]):.1f} ms" for n in (1, 32))
+              + " |")

@@ -1,0 +1,105 @@
+"""The matmul library chosen by measurement (minicb/linear_backend.py).
+
+The decision is held to timings handed in, so that it can be seen to pick each
+library when that one is the faster; the layers are held to the library they
+were given (bit for bit against F.linear or oneDNN's own product); and SmolLM2's
+greedy tokens stay HF's with either library.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minicb import LLM, SamplingParams
+from minicb.config import EngineConfig
+from minicb.linear_backend import ALWAYS_MKL, pick_thresholds, use_linear_backend
+from minicb.model import random_model
+from minicb.packed_linear import PackedLinear, available, pack_linears
+
+ROWS = [1, 4, 32]
+pytestmark = pytest.mark.skipif(not available(), reason="this torch has no oneDNN packed linear")
+
+
+def timings(shape, mkl: list[float], onednn: list[float]) -> dict:
+    """Injected timings for one shape at ROWS."""
+    return {**{(shape, r, "mkl"): t for r, t in zip(ROWS, mkl)},
+            **{(shape, r, "onednn"): t for r, t in zip(ROWS, onednn)}}
+
+
+@pytest.mark.parametrize("mkl, onednn, threshold", [
+    ([1.0, 2.0, 9.0], [2.0, 1.0, 5.0], 4),          # MKL at one row (an Intel CPU), oneDNN from 4
+    ([2.0, 2.0, 9.0], [1.0, 1.0, 5.0], 0),          # oneDNN everywhere (the AMD machine)
+    ([1.0, 1.0, 5.0], [2.0, 2.0, 9.0], ALWAYS_MKL),  # MKL everywhere
+    ([2.0, 1.0, 9.0], [1.0, 2.0, 5.0], 32),         # oneDNN at 1 but not at 4: only from 32 on
+    ([1.0, 2.0, 5.0], [2.0, 1.0, 9.0], ALWAYS_MKL),  # oneDNN not at the largest: MKL for all
+])
+def test_the_faster_library_is_picked_per_row_range(mkl, onednn, threshold):
+    shape = (8, 16)
+    assert pick_thresholds(timings(shape, mkl, onednn), ROWS) == {shape: threshold}
+
+
+def packed_tiny():
+    model = pack_linears(random_model(seed=1))
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert layers, "the tiny model was not packed"
+    return model, layers
+
+
+def test_each_layer_takes_the_library_it_was_given_by_row_count():
+    model, layers = packed_tiny()
+    shapes = {(m.in_features, m.out_features) for m in layers}
+    injected = {}
+    for shape in shapes:
+        injected |= timings(shape, [1.0, 2.0, 9.0], [2.0, 1.0, 5.0])  # MKL below 4 rows, oneDNN from 4
+    choice = use_linear_backend(model, "auto", ROWS, timings=injected)
+    assert all(m.mkl_below == 4 for m in layers) and "mkl below 4 rows" in choice.describe()
+    layer = layers[0]
+    with torch.inference_mode():
+        for rows, want in ((1, "mkl"), (3, "mkl"), (4, "onednn"), (40, "onednn")):
+            x = torch.randn(rows, layer.in_features)
+            expected = F.linear(x, layer.weight, layer.bias) if want == "mkl" else layer.onednn(x)
+            assert torch.equal(layer(x), expected), f"{rows} rows should go to {want}"
+    use_linear_backend(model, "onednn", ROWS)
+    assert all(m.mkl_below == 0 for m in layers)
+    use_linear_backend(model, "mkl", ROWS)
+    assert all(m.mkl_below == ALWAYS_MKL for m in layers)
+
+
+def test_auto_measures_every_shape_at_every_row_count():
+    model, layers = packed_tiny()
+    choice = use_linear_backend(model, "auto", ROWS)
+    shapes = {(m.in_features, m.out_features) for m in layers}
+    assert set(choice.timings) == {(s, r, lib) for s in shapes for r in ROWS for lib in ("mkl", "onednn")}
+    assert set(choice.thresholds) == shapes and choice.seconds > 0
+
+
+def test_a_model_without_packed_layers_runs_mkl_and_refuses_onednn():
+    model = random_model(seed=1)
+    assert "no packed layers" in use_linear_backend(model, "auto", ROWS).describe()
+    with pytest.raises(ValueError, match="linear_backend='onednn' needs oneDNN-packed"):
+        use_linear_backend(model, "onednn", ROWS)
+    with pytest.raises(ValueError, match="linear_backend='blas' is not one of"):
+        use_linear_backend(model, "blas", ROWS)
+    with pytest.raises(ValueError, match="linear_backend='blas' is not one of"):
+        EngineConfig(linear_backend="blas")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_are_hf_s_with_either_library():
+    from transformers import AutoModelForCausalLM
+
+    from minicb import weights
+    from minicb.data import load_chat_prompts
+
+    hf = AutoModelForCausalLM.from_pretrained(str(weights.resolve_checkpoint(None)), dtype=torch.float32).eval()
+    for backend in ("mkl", "onednn"):
+        llm = LLM(device="cpu", linear_backend=backend, max_num_seqs=4)
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in load_chat_prompts(3)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24), use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            with torch.no_grad():
+                want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+            eos = llm.tokenizer.eos_token_id
+            want = want[:want.index(eos) + 1] if eos in want else want  # HF pads after EOS; the engine stops
+            assert out.token_ids == want, f"{backend}: {out.token_ids} against HF's {want}"
