@@ -18,7 +18,10 @@ differ from MKL's in the last bits of float32 (another summation order), as
 two BLAS libraries do; greedy tokens stay HF-equal in the tests and the bench.
 
 `load_model(..., packed=False)` keeps plain `nn.Linear`s, so the two can be
-timed side by side in one process (`tools/step_floor.py`).
+timed side by side in one process (`tools/step_floor.py`). A PackedLinear keeps
+the plain weight too, so it can send a call of few rows to MKL instead
+(`mkl_below`): on an Intel CPU MKL is the faster there, and the engine measures
+where (minicb/linear_backend.py).
 """
 from __future__ import annotations
 
