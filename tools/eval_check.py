@@ -41,7 +41,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,13 +211,15 @@ def compare(ours: Run, reference: Run, atol: float = ATOL) -> Comparison:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """minicb/bench/machine.py's, loaded from its file: this script runs in lm-eval's venv, where
+    importing the minicb package (torch, numba, fastapi, ...) is not an option."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("minicb_machine", Path(__file__).parent.parent / "minicb" / "bench"
+                                                  / "machine.py")
+    machine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(machine)
+    return machine.cpu_model()
 
 
 def speedup(ours: float | None, reference: float | None) -> float | None:
@@ -239,8 +240,8 @@ def table(pairs: list[tuple[Run, Run, Comparison]], min_speedup: float | None) -
     """The markdown report: machine and date, then a row per task."""
     versions = pairs[0][1].versions
     lines = [
-        f"lm-eval on minicb's server (`local-completions`, prefix caching on) and on HF transformers (`hf`), same "
-        f"SmolLM2-135M-Instruct weights, fp32.",
+        "lm-eval on minicb's server (`local-completions`, prefix caching on) and on HF transformers (`hf`), same "
+        "SmolLM2-135M-Instruct weights, fp32.",
         "",
         f"- CPU: {cpu_model()} ({os.cpu_count()} cores seen)",
         f"- date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
