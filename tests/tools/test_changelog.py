@@ -29,6 +29,8 @@ import pytest
 import minicb
 from minicb import check, impl
 
+from tool_support import sleeping_children
+
 CHANGELOG = impl.ROOT / "chapters" / "CHANGELOG.md"
 MODULES = sorted(impl.CHAPTERS, key=lambda name: impl.CHAPTERS[name][0])
 
@@ -118,7 +120,7 @@ def old_grades(request, tmp_path_factory):
                 and item.originalname == "test_the_previous_release_passes_or_is_listed"]
     todo = [m for m in selected if impl.CHAPTERS[m][0] not in newest.chapters]
     folder = tmp_path_factory.mktemp("previous-release")
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with sleeping_children(), ThreadPoolExecutor(max_workers=2) as pool:  # two at once: see tool_support
         yield commit, {m: pool.submit(grade_old, m, commit, folder) for m in todo}
 
 

@@ -24,6 +24,7 @@ import pytest
 
 from minicb import check, impl, tasks
 from minicb.block_allocator import BlockAllocator
+from tool_support import sleeping_children
 from mutant_support import (ADMIT_IMPORTS, DECODE_GRAPHS_SUBCLASS, RUN_STATIC_WRAPPER,  # noqa: F401
                             SPECULATOR_GIVEN, STUDENT_CHUNK_KERNEL, Mutant)
 
@@ -367,7 +368,7 @@ def grades(request, tmp_path_factory):
     selected = [item.callspec.params["mutant"] for item in request.session.items
                 if getattr(item, "callspec", None) and "mutant" in item.callspec.params]
     folder = tmp_path_factory.mktemp("mutants")
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with sleeping_children(), ThreadPoolExecutor(max_workers=2) as pool:  # two at once: see tool_support
         yield {id(m): pool.submit(grade, m, folder) for m in selected}
 
 
