@@ -44,13 +44,13 @@ import itertools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from minicb.config import EngineConfig  # the settings (minicb/config.py); importable from here too
 from minicb.linear_backend import use_linear_backend
-from minicb.logprobs import PromptScoreCache, TokenLogprob, prompt_logprobs, token_logprobs
+from minicb.logprobs import PromptScoreCache, PromptToScore, TokenLogprob, prompt_logprobs, token_logprobs
 from minicb.model import Model
 from minicb.model_runner import prepare
 from minicb.parts import EngineParts
@@ -363,22 +363,25 @@ class Engine:
     def score_prompts(self, out: SchedulerOutput) -> dict[int, list[TokenLogprob | None]]:
         """request_id -> the prompt's scores, for each request that asked (params.prompt_logprobs) and
         whose prompt is now all computed, once (completion 0 carries them: a forked completion
-        recomputing its prompt after a preemption scores nothing). They are read from the final hidden states the pool keeps at
-        the prompt's slots, whichever step, chunk or cached block computed them (minicb/logprobs.py)."""
-        scored = {}
-        for seq in out.prefills:
-            prompt = seq.prompt_token_ids
-            if (seq.params.prompt_logprobs is None or seq.prompt_logprobs is not None or seq.completion != 0
-                    or seq.num_computed_tokens + out.num_new_tokens(seq) < len(prompt)):
-                continue
-            def hidden_at(start: int, end: int, seq=seq) -> torch.Tensor:  # [end - start, hidden], positions [start, end)
+        recomputing its prompt after a preemption scores nothing). They are read from the final
+        hidden states the pool keeps at the prompt's slots, whichever step, chunk or cached block
+        computed them, all of the step's prompts in one scoring call (minicb/logprobs.py)."""
+        ready = [seq for seq in out.prefills
+                 if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None and seq.completion == 0
+                 and seq.num_computed_tokens + out.num_new_tokens(seq) >= len(seq.prompt_token_ids)]
+        if not ready:
+            return {}
+
+        def hidden_at(seq: Sequence) -> Callable[[int, int], torch.Tensor]:
+            def at(start: int, end: int) -> torch.Tensor:  # [end - start, hidden], positions [start, end)
                 slots = self.allocator.slot_mapping(seq.seq_id, start, end)
                 return self.pool.hidden[torch.tensor(slots, dtype=torch.int64, device=self.pool.hidden.device)]
+            return at
 
-            seq.prompt_logprobs = prompt_logprobs(self.model, hidden_at, prompt, seq.params.prompt_logprobs,
-                                                  self.prompt_scores)
-            scored[seq.request_id] = seq.prompt_logprobs
-        return scored
+        prompts = [PromptToScore(seq.prompt_token_ids, seq.params.prompt_logprobs, hidden_at(seq)) for seq in ready]
+        for seq, entries in zip(ready, prompt_logprobs(self.model, prompts, self.prompt_scores)):
+            seq.prompt_logprobs = entries
+        return {seq.request_id: seq.prompt_logprobs for seq in ready}
 
     def _trace(self, out: SchedulerOutput, placed, sampled, result: StepResult, seconds: float) -> StepTrace:
         slots = [SlotState(None, "empty", 0) for _ in range(self.config.max_num_seqs)]

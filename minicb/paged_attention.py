@@ -416,16 +416,18 @@ def paged_prefill_attention_unchecked(q, k_cache, v_cache, block_tables, context
             continue
         start = query_starts[i]
         table = block_tables[i:i + 1, :-(-n // block_size)].long()  # [1, blocks of sequence i]
-        keys = _gather(k_cache, table).transpose(1, 2)  # [1, Hkv, T, D], T = n rounded up to a block
-        values = _gather(v_cache, table).transpose(1, 2)  # [1, Hkv, T, D]
+        # The sequence's n keys: cut off the slots past n in its last block, so that SDPA sums over the
+        # same keys in the same order as a dense forward of the whole text (HF's), and the result is
+        # the same to the bit; a longer, masked key range rounds differently (1e-7 an output).
+        keys = _gather(k_cache, table)[:, :n].transpose(1, 2)  # [1, Hkv, n, D]
+        values = _gather(v_cache, table)[:, :n].transpose(1, 2)  # [1, Hkv, n, D]
         queries = q[start:start + q_len].reshape(q_len, n_kv_heads, group, head_dim)
         queries = queries.permute(1, 2, 0, 3).reshape(1, n_kv_heads, group * q_len, head_dim)  # [1, Hkv, G*q_len, D]
 
         # Query r sits at position n - q_len + r; key t is visible when t <= that.
-        # This also hides the slots past n in the last block.
         q_positions = torch.arange(n - q_len, n, device=q.device)  # [q_len]
-        causal = torch.arange(keys.shape[2], device=q.device)[None, :] <= q_positions[:, None]  # [q_len, T]
-        mask = causal.repeat(group, 1)[None, None]  # [1, 1, G*q_len, T], rows ordered (g, r) like the queries
+        causal = torch.arange(n, device=q.device)[None, :] <= q_positions[:, None]  # [q_len, n]
+        mask = causal.repeat(group, 1)[None, None]  # [1, 1, G*q_len, n], rows ordered (g, r) like the queries
 
         attended = _attend(queries, keys, values, mask, scale)  # [1, Hkv, G*q_len, D]
         attended = attended.view(n_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # [q_len, Hkv, G, D]

@@ -81,7 +81,11 @@ def test_scores_equal_hf_teacher_forced(checkpoint, name, device):
         assert len(out.outputs[0].logprobs) == len(out.token_ids)
         for j, entry in enumerate(out.outputs[0].logprobs):
             check_entry(entry, oracle[start + j - 1], ids[start + j], 3, f"{name}, prompt {i}, output token {j}")
-    assert llm.engine.prompt_scores.hits > 0, "no prompt took SHARED's scored blocks: the test saw no score cache"
+    again = llm.generate(PROMPTS, params, use_tqdm=False)  # scored before: from the score cache this time
+    assert llm.engine.prompt_scores.hits > 0, "no prompt took its scored blocks: the test saw no score cache"
+    for out, before in zip(again, outs):
+        assert [e and (e.token_id, e.logprob, e.top) for e in out.prompt_logprobs] == \
+            [e and (e.token_id, e.logprob, e.top) for e in before.prompt_logprobs], f"{name}: cached prompt scores"
     if name == "prefix caching":
         assert sum(o.metrics.num_cached_tokens for o in outs) > 0, "no prompt hit the cache: the test saw nothing"
     if name == "preemption":
@@ -158,17 +162,49 @@ def test_token_logprobs_checks_its_arguments():
 
 
 def test_the_score_cache_serves_only_what_it_was_asked_with():
-    """A block scored with top 2 serves a request for top 1 (cut) or 2, not one for top 3, and a prompt
-    that differs in its first block finds nothing."""
+    """A block scored with top 2 serves a request for top 1 (cut) or 2, not one for top 3; a prompt that
+    differs in its first token finds nothing; one that differs inside a block gets the tokens before."""
     from minicb.logprobs import PromptScoreCache, TokenLogprob
 
-    cache = PromptScoreCache(block_size=2, max_blocks=2)
+    cache = PromptScoreCache(block_size=2, max_blocks=3)
     prompt = [5, 6, 7, 8, 9]
     entries = [None] + [TokenLogprob(t, -1.0 * t, 1, [(t, -1.0 * t), (0, -9.0)]) for t in prompt[1:]]
     cache.store(prompt, entries, k=2)
-    assert len(cache) == 2  # two full blocks; the fifth token's block is not full
+    assert len(cache) == 3  # two full blocks and the partial [9]
     cut = cache.lookup(prompt, k=1)
-    assert [e and (e.token_id, e.top) for e in cut] == [None, (6, [(6, -6.0)]), (7, [(7, -7.0)]), (8, [(8, -8.0)])]
+    assert [e and (e.token_id, e.top) for e in cut] == [None, (6, [(6, -6.0)]), (7, [(7, -7.0)]), (8, [(8, -8.0)]),
+                                                         (9, [(9, -9.0)])]
     assert cache.lookup(prompt, k=3) == [None] and cache.lookup([4] + prompt[1:], k=1) == [None]
-    cache.store([1, 2, 3, 4], [None] + entries[1:4], k=2)  # two more blocks: the least recently used go
-    assert len(cache) == 2 and cache.lookup(prompt, k=1) == [None]
+    assert [e and e.token_id for e in cache.lookup([5, 6, 7, 1, 9], k=2)] == [None, 6, 7]  # 7 shared, 1 not
+    assert [e and e.token_id for e in cache.lookup([5, 6, 7], k=2)] == [None, 6, 7]  # a shorter prompt
+    cache = PromptScoreCache(block_size=2, max_blocks=2)
+    cache.store(prompt[:4], entries[:4], k=2)
+    cache.store([1, 2], [None, entries[1]], k=2)  # a third block: the least recently used parent's go
+    assert len(cache) == 2 and [e and e.token_id for e in cache.lookup(prompt, k=1)] == [None, 6]  # not 7, 8
+
+
+def test_prompts_of_one_call_share_their_common_start():
+    """Four prompts with one context (a multiple-choice question's choices) scored in one call: the
+    context's positions are scored once, and every prompt's entries equal its own scoring alone."""
+    from minicb.logprobs import PromptScoreCache, PromptToScore, prompt_logprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(12, 8)  # positions 0..11 of every prompt: one shared "model output" table
+
+    class Head:  # model.logits: the hidden state, as logits over 8 tokens; counts the rows it scores
+        rows = 0
+
+        def logits(self, x):
+            Head.rows += x.shape[1]
+            return x.float()
+
+    context = [1, 2, 3, 4, 5]
+    prompts = [context + [c, 7] for c in (0, 6)] + [context + [6], context[:3]]
+    def make(ids):
+        return PromptToScore(ids, 2, lambda start, end: hidden[start:end])
+    together = prompt_logprobs(Head(), [make(p) for p in prompts], PromptScoreCache(block_size=4))
+    assert Head.rows == 6 + 2 + 0 + 0, f"{Head.rows} rows scored; the shared start should be scored once"
+    for ids, entries in zip(prompts, together):
+        alone = prompt_logprobs(Head(), [make(ids)])[0]
+        assert [e and (e.token_id, e.logprob, e.rank, e.top) for e in entries] == \
+            [e and (e.token_id, e.logprob, e.rank, e.top) for e in alone], ids

@@ -132,7 +132,7 @@ def test_main_reads_the_scripts_layout_prints_the_table_and_exits_by_the_outcome
 
     # The same runs, but the goal set higher than minicb reached: a failure, named.
     assert tool.main([str(tmp_path), "--min-speedup", "3"]) == 1
-    assert "facts_mc: minicb 10.0 s vs hf 25.0 s, 2.50x; the goal is 3x" in capsys.readouterr().err
+    assert "facts_mc: minicb 8.0 s vs hf 23.0 s (evaluate()), 2.88x; the goal is 3x" in capsys.readouterr().err
 
     # One choice of one document scored differently by minicb: exit 1, and the document named.
     (tmp_path / "minicb" / "facts_mc").joinpath("model__name", "samples_facts_mc_2026-01-01T00-00-00.jsonl").write_text(
