@@ -440,6 +440,12 @@ class DFA:
         return int(self.transitions.shape[0])
 
     @cached_property
+    def with_dead_row(self) -> np.ndarray:
+        """int32 [num_states + 1, 256]: the table and one more row, all -1, at the end. Index -1 (the
+        dead state) is that last row, so a vectorized walk stays dead without a test (token_mask.py)."""
+        return np.vstack([self.transitions, np.full((1, 256), -1, dtype=np.int32)])
+
+    @cached_property
     def rows(self) -> list[list[int]]:
         """The table as Python lists: a Python loop (the trie walk) indexes these several times faster."""
         return self.transitions.tolist()
@@ -524,7 +530,7 @@ def _trim(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndar
 def _minimise(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Hopcroft's algorithm: merge the states no text can tell apart; one state per block.
 
-    Start from the blocks {accepting, not accepting}. A *splitter* block A splits any
+    Start from the blocks {accepting, not accepting, dead}. A *splitter* block A splits any
     block B whose states disagree on whether their move on column k lands in A.
     Each split queues the smaller half as a new splitter, so every state takes
     part in O(log n) splits: O(K n log n) in all. (Moore's simpler refinement
@@ -540,13 +546,16 @@ def _minimise(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.
         for k, target in enumerate(row):
             predecessors[k][target].append(source)
     final = accepting.tolist() + [False]
-    blocks = [b for b in ({s for s in range(num_states + 1) if final[s]},
-                          {s for s in range(num_states + 1) if not final[s]}) if b]
+    # The dead state starts in a block of its own (trimming made every other state live, so it is
+    # equal to none) and that block is never a splitter: "lands in dead" is "lands in no other
+    # block", which the other splitters decide already. That skips every missing move of the table.
+    blocks = [b for b in ({s for s in range(num_states) if final[s]}, {s for s in range(num_states) if not final[s]})
+              if b] + [{dead}]
     block_of = [0] * (num_states + 1)
     for b, members in enumerate(blocks):
         for s in members:
             block_of[s] = b
-    splitters = set(range(len(blocks)))
+    splitters = set(range(len(blocks) - 1))
     while splitters:
         splitter = set(blocks[splitters.pop()])  # a copy: splits below may change the block
         for k in range(num_columns):
