@@ -69,7 +69,11 @@ class GrammarCompiler(Protocol):
 
 
 def canonical_spec(kind: str, spec) -> str:
-    """The spec as one string, the same for equal specs: the cache's key, and what errors quote."""
+    """The spec as one string, the same for equal specs: the cache's key, and what errors quote.
+
+    A schema keeps its key order: properties come out in the order the schema lists
+    them, so two orders are two grammars.
+    """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; allowed kinds are {', '.join(KINDS)}")
     if kind == "regex":
@@ -82,13 +86,21 @@ def canonical_spec(kind: str, spec) -> str:
             raise ValueError(f"a choice grammar needs a non-empty list of strings, got {spec!r}")
         return json.dumps(list(spec), ensure_ascii=False)
     if kind == "json_schema":
-        schema = json.loads(spec) if isinstance(spec, str) else spec
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"a json_schema grammar needs a schema (a dict or its JSON text), got {spec!r}")
-        return json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        return json.dumps(parse_schema(spec), ensure_ascii=False)
     if spec not in (None, "", {}):
         raise ValueError(f"a json_object grammar takes no spec (any JSON object is allowed), got {spec!r}")
     return ""
+
+
+def parse_schema(spec) -> dict | bool:
+    """A JSON schema given as a dict (or bool) or as its JSON text."""
+    try:
+        schema = json.loads(spec) if isinstance(spec, str) else spec
+    except json.JSONDecodeError as e:
+        raise ValueError(f"a json_schema grammar's text is not JSON ({e}): {spec[:80]!r}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a json_schema grammar needs a schema (a dict or its JSON text), got {spec!r}")
+    return schema
 
 
 def to_regex(kind: str, spec) -> str:
@@ -97,11 +109,11 @@ def to_regex(kind: str, spec) -> str:
     if kind == "regex":
         return key
     if kind == "choice":
-        return "|".join(f"(?:{escape(option)})" for option in json.loads(key))
+        return "|".join(f"(?:{escape(option)})" for option in spec)
     # The JSON kinds' regexes are built in their own file; import it only when asked for.
     from minicb.structured import json_schema
     if kind == "json_schema":
-        return json_schema.schema_to_regex(json.loads(key))
+        return json_schema.schema_to_regex(parse_schema(spec))
     return json_schema.json_object_regex()
 
 

@@ -13,10 +13,16 @@ where the two may be compared:
   installed version has no `fork`, a fork is a new matcher that replays the
   accepted tokens.
 
-Where xgrammar and minicb differ for the same pattern (the tests compare the two
-where they agree): xgrammar's `.` also matches a newline (Python's does not), and
-xgrammar has no special tokens for SmolLM2's tokenizer, so "<|im_start|>" is text
-to it and `.*` allows it; minicb never allows a special token.
+Where xgrammar (0.2.9) and minicb differ for the same pattern (the tests compare
+the two where they agree, and hold each difference to exactly this):
+- xgrammar's `.` also matches a newline; Python's, and so minicb's, does not;
+- xgrammar's \s is ECMAScript's (JSON Schema's regex dialect): it also matches
+  U+00A0, U+2000..U+200A, U+3000 and other Unicode spaces; minicb's is ASCII's;
+- xgrammar finds no special tokens in SmolLM2's tokenizer, so "<|im_start|>" is
+  text to it and `[^\n]*` allows it; minicb never allows a special token;
+- xgrammar's bitmask allows EOS before the first character of a negated class
+  repeated with + ("[^a]+" at the start), and accepts it, though its own
+  is_completed() says no; minicb allows EOS exactly where the text is a match.
 
 xgrammar is imported only when this backend is asked for. Chapter text:
 chapters/12-structured-output/README.md.
