@@ -267,7 +267,7 @@ class _Parser:
             if code > MAX_CODE_POINT:
                 raise ValueError(f"\\{ch}{digits} at position {start} of {self.pattern!r} is past U+10FFFF")
             return self.literal(chr(code), start).ranges
-        if ch.isdigit():
+        if ch in "0123456789":
             raise self.refuse(f"the backreference or octal escape \\{ch}", start)
         if ch in ("b", "B", "A", "Z", "z", "G"):
             raise self.refuse(f"the anchor \\{ch}", start, "(inside a class Python reads \\b as a backspace: "
@@ -347,6 +347,17 @@ def utf8_sequences(lo: int, hi: int) -> list[list[tuple[int, int]]]:
             if hi & mask != mask:
                 return utf8_sequences(lo, (hi & ~mask) - 1) + utf8_sequences(hi & ~mask, hi)
     return [list(zip(chr(lo).encode("utf-8"), chr(hi).encode("utf-8")))]
+
+
+def complete_utf8_prefix(data: bytes) -> bytes:
+    """`data` cut back so it does not end inside a UTF-8 character (leading continuation bytes stay:
+    they finish a character that began before `data`)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # the last character's first byte
+            need = 1 if byte < 0x80 else 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return data if need <= back else data[:-back]
+    return data
 
 
 # ---- tree -> NFA over bytes (Thompson) ---------------------------------------------------

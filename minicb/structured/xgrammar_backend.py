@@ -16,10 +16,10 @@ where the two may be compared:
 Where xgrammar (0.2.9) and minicb differ for the same pattern (the tests compare
 the two where they agree, and hold each difference to exactly this):
 - xgrammar's `.` also matches a newline; Python's, and so minicb's, does not;
-- xgrammar's \s is ECMAScript's (JSON Schema's regex dialect): it also matches
+- xgrammar's \\s is ECMAScript's (JSON Schema's regex dialect): it also matches
   U+00A0, U+2000..U+200A, U+3000 and other Unicode spaces; minicb's is ASCII's;
 - xgrammar finds no special tokens in SmolLM2's tokenizer, so "<|im_start|>" is
-  text to it and `[^\n]*` allows it; minicb never allows a special token;
+  text to it and `[^\\n]*` allows it; minicb never allows a special token;
 - xgrammar's bitmask allows EOS before the first character of a negated class
   repeated with + ("[^a]+" at the start), and accepts it, though its own
   is_completed() says no; minicb allows EOS exactly where the text is a match.

@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minicb.structured.backend import GrammarCache, MinicbCompiler, compile_grammar, make_compiler, to_regex
-from minicb.structured.regex import compile_regex
-from minicb.structured.token_mask import (Grammar, Matcher, TokenVocabulary, allowed_tokens_brute_force,
-                                          allowed_tokens_trie, allowed_tokens_vectorized, complete_utf8_prefix)
+from minicb.structured.regex import compile_regex, complete_utf8_prefix
+from minicb.structured.token_mask import (Grammar, TokenVocabulary, allowed_tokens_brute_force, allowed_tokens_trie,
+                                          allowed_tokens_vectorized)
 
 # Patterns the oracle runs: every construct of the dialect except `.` and \s \S, which xgrammar
 # reads differently (test_xgrammar_differs_only_where_it_reads_the_pattern_differently).
@@ -304,6 +304,21 @@ def compare_with_xgrammar(vocab, xgrammar_compiler, pattern, seed, differs=lambd
 @pytest.mark.parametrize("pattern", ORACLE_PATTERNS)
 def test_masks_equal_xgrammars(vocab, xgrammar_compiler, pattern):
     compare_with_xgrammar(vocab, xgrammar_compiler, pattern, seed=len(pattern))
+
+
+@pytest.mark.parametrize("backend", ["minicb", "xgrammar"])
+def test_both_backends_take_json_in_json_dumps_layout(vocab, tokenizer, backend):
+    pytest.importorskip("minicb.structured.json_schema")
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["city", "n"]}
+    for kind, spec, text in [("json_schema", schema, json.dumps({"city": "Zürich", "n": 3})),
+                             ("json_object", None, json.dumps({"a": [1, {"b": None}], "c": "x"}))]:
+        matcher = compile_grammar(kind, spec, vocab, backend=backend).matcher()
+        assert all(matcher.accept(t) for t in tokenizer.encode(text)), f"{backend} {kind} refused {text!r}"
+        assert matcher.can_end and matcher.accept(vocab.eos_token_ids[0]) and matcher.is_finished
+    matcher = compile_grammar("json_schema", schema, vocab, backend=backend).matcher()
+    assert not matcher.accept(tokenizer.encode("[")[0]), f"{backend}: an object schema refused '['"
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "json_object"])
