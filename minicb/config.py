@@ -85,6 +85,15 @@ class EngineConfig:
                 "outputs are the same either way; sampled ones keep their distribution"})
     num_speculative_tokens: int = field(default=4, metadata={
         "help": "speculative decoding: draft tokens proposed and verified per step at most"})
+    structured_backend: str = field(default="minicb", metadata={
+        "help": "what compiles a request's structured output (a JSON schema, regex, choice or json_object) "
+                "into the token mask its rows are sampled under (chapter 12, minicb/structured/): minicb (the "
+                "DFA the chapter builds) or xgrammar (the xgrammar package, when installed)",
+        "choices": ["minicb", "xgrammar"]})
+    jump_forward: bool = field(default=False, metadata={
+        "help": "structured output: where the grammar allows only one continuation (a fixed key, a closing "
+                "brace), give its tokens to chapter 11's verifier as drafts, so one forward checks them all; "
+                "the tokens are the same either way"})
 
     def __post_init__(self):
         self.validate()
@@ -110,11 +119,11 @@ class EngineConfig:
         whole("keep_traces", self.keep_traces, low=0, none_ok=True)
         whole("speculative_ngram", self.speculative_ngram, none_ok=True)
         whole("num_speculative_tokens", self.num_speculative_tokens)
-        for name in ("attention", "cpu_decode", "linear_backend"):
+        for name in ("attention", "cpu_decode", "linear_backend", "structured_backend"):
             allowed = next(f for f in fields(self) if f.name == name).metadata["choices"]
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}; it must be True or False")
         for name in ("cuda_graphs", "tile_prefill"):
@@ -130,7 +139,8 @@ class EngineConfig:
         if not (isinstance(self.cpu_kv_gib, (int, float)) and self.cpu_kv_gib > 0):
             raise ValueError(f"cpu_kv_gib={self.cpu_kv_gib!r}; it must be > 0")
         # A request verifying k drafts computes its newest token and the k drafts in one step.
-        if self.speculative_ngram is not None and 1 + self.num_speculative_tokens > self.max_num_batched_tokens:
+        if ((self.speculative_ngram is not None or self.jump_forward)
+                and 1 + self.num_speculative_tokens > self.max_num_batched_tokens):
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: a request verifying them "
                              f"computes {1 + self.num_speculative_tokens} tokens in a step, more than "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}; lower it or raise the budget")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -56,6 +57,7 @@ from minicb.model_runner import prepare
 from minicb.parts import EngineParts
 from minicb.sampling import SamplingParams, apply_rules, make_generator, sample
 from minicb.scheduler import RequestRejected, Sequence, SchedulerOutput, StepResult
+from minicb.structured.guide import Grammars
 from minicb.trace import SlotState, StepTrace
 
 
@@ -113,12 +115,15 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig | None = None, parts: EngineParts | None = None):
+    def __init__(self, model: Model, config: EngineConfig | None = None, parts: EngineParts | None = None,
+                 grammars: Grammars | None = None):
         """An engine over `model`, made of what `parts` builds from `config`.
 
         parts: the factory of the parts (minicb/parts.py); by default the reference's
         code, or a student's where MINICB_IMPL says so. Everything the engine is
-        made of is built here, once.
+        made of is built here, once. grammars: what compiles requests' structured
+        output (chapter 12, minicb/structured/guide.py), made from the model's
+        tokenizer (`build` gives one); without it such requests are refused.
         """
         if parts is not None and config is not None and parts.config is not config:
             raise ValueError("Engine(model, config, parts): parts were made from another EngineConfig; pass "
@@ -141,6 +146,10 @@ class Engine:
                                    self.config.max_num_seqs)
         self.sequences: dict[int, Sequence] = {}  # seq_id -> its state, while it waits or runs (every completion)
         self.prompt_scores = PromptScoreCache(self.config.block_size)  # scored prompt blocks (minicb/logprobs.py)
+        self.grammars = grammars
+        # Guided requests whose grammar is still compiling: seq_id -> (sequence, Future of the grammar).
+        # They join the scheduler when it is ready (_admit_compiled), so nobody waits for a compile.
+        self.compiling: dict[int, tuple[Sequence, Future]] = {}
         self.traces: deque[StepTrace] = deque(maxlen=self.config.keep_traces)
         self.num_steps = 0
 
@@ -160,6 +169,7 @@ class Engine:
         self.allocator = self.parts.allocator(self.num_blocks)
         self.scheduler = self.parts.scheduler(self.allocator, self.model, self.speculator, self.seq_ids)
         self.sequences.clear()
+        self.compiling.clear()
         return dropped
 
     def stats(self) -> EngineStats:
@@ -190,6 +200,15 @@ class Engine:
         if params.prompt_logprobs is not None and self.pool.hidden is None:
             raise RequestRejected("prompt_logprobs: this engine's KV pool keeps no hidden states (KVPool's "
                                   "hidden_size), so it cannot score prompts", "prompt_logprobs", "unsupported")
+        if params.structured is not None:
+            if self.grammars is None:
+                raise RequestRejected("structured output needs the model's vocabulary, and this engine was built "
+                                      "without a tokenizer (Engine(..., grammars=Grammars(tokenizer, ...)))",
+                                      "structured", "unsupported")
+            try:
+                self.grammars.check(params.structured)
+            except ValueError as e:  # a schema keyword or regex construct that is not supported, named
+                raise RequestRejected(str(e), "structured", "unsupported_value") from None
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
@@ -207,8 +226,11 @@ class Engine:
         # Each completion samples with its own generator (seeded: seed and completion index).
         seq.generator = make_generator(params, self.model.device)
         seq.sibling_generators = [make_generator(params, self.model.device, c) for c in range(1, params.n)]
-        self.scheduler.add(seq)
         self.sequences[rid] = seq
+        if params.structured is not None:  # it waits for its grammar outside the scheduler (chapter 12)
+            self.compiling[rid] = (seq, self.grammars.compile(params.structured))
+        else:
+            self.scheduler.add(seq)
         return rid
 
     def abort(self, request_id: int, completion: int | None = None) -> list[Sequence]:
@@ -227,13 +249,37 @@ class Engine:
             raise KeyError(f"request {request_id}{which} is not waiting or running")
         now = time.perf_counter()
         for seq in victims:
-            self.scheduler.abort(seq.seq_id)
+            if self.compiling.pop(seq.seq_id, None) is None:  # not waiting for its grammar: the scheduler has it
+                self.scheduler.abort(seq.seq_id)
             del self.sequences[seq.seq_id]
             seq.finish_time = now
         return victims
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
+
+    def _admit_compiled(self) -> list[Sequence]:
+        """Hand the scheduler the guided requests whose grammar is ready, each with its Guide; return
+        the ones whose grammar failed to compile (too large an automaton, say), ended with finish_reason
+        "abort" and the reason in seq.error."""
+        failed = []
+        for seq_id, (seq, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[seq_id]
+            if future.exception() is not None:
+                seq.error, seq.finish_reason, seq.finish_time = str(future.exception()), "abort", time.perf_counter()
+                del self.sequences[seq_id]
+                failed.append(seq)
+                continue
+            seq.guide = self.grammars.guide(future.result())
+            self.scheduler.add(seq)
+        return failed
+
+    def wait_for_grammars(self, timeout: float | None = None) -> None:
+        """Block until no request waits for its grammar (for a caller with nothing else to step)."""
+        for _, future in list(self.compiling.values()):
+            future.exception(timeout)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -241,6 +287,9 @@ class Engine:
         """Run one step: schedule, prepare, forward, sample, postprocess. trace: build this step's
         StepTrace even when the engine keeps none (keep_traces=0), for a caller that draws it."""
         began = time.perf_counter()
+        if self.compiling and not self.scheduler.has_unfinished():  # nothing to run but a compile: wait a little
+            wait([future for _, future in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed = self._admit_compiled() if self.compiling else []  # chapter 12: grammars that are ready
         out = self.scheduler.schedule()  # 1. schedule
         tracing = trace or self.traces.maxlen != 0
         placed = out.placements() if tracing else []  # who ran where: postprocess frees finished slots
@@ -250,7 +299,9 @@ class Engine:
             sampled = self.sample(out, logits)  # 4. sample
             scores, prompt_scores = self.score(out, logits, sampled), self.score_prompts(out)  # if asked
         result = self.scheduler.postprocess(out, sampled, time.perf_counter())  # 5. postprocess
+        self._advance_guides(result)
         output = self._output(out, result, began, scores, prompt_scores)
+        output.finished += failed
         if tracing:
             output.trace = self._trace(out, placed, sampled, result, output.time_s)
             self.traces.append(output.trace)  # a deque of maxlen 0 keeps nothing
@@ -292,6 +343,16 @@ class Engine:
                                   and s.num_preemptions == 0),
             stats=self.stats(), time_s=time.perf_counter() - began)
 
+    def _advance_guides(self, result: StepResult) -> None:
+        """Chapter 12: each guided completion's grammar state takes the tokens postprocess gave it.
+        A completion forked this step starts from its parent's state before the parent's first token."""
+        for child in result.forked:
+            parent = self.sequences[child.request_id]  # completion 0: its seq_id is the request's id
+            child.guide = parent.guide.fork() if parent.guide is not None else None
+        for seq, token in result.new_tokens:
+            if seq.guide is not None:
+                seq.guide.accept(token)
+
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[list[int]]:
         """The tokens of each scheduled sequence (out.sequences order), from logits [R, V], one row each
         (1 + k rows for a decode verifying k drafts: minicb/model_runner.py).
@@ -304,8 +365,10 @@ class Engine:
         accepts of them plus one more token (chapter 11).
         A request's rules that read its history (min_tokens, penalties) apply to
         its rows first: row j of a verify comes after the output and drafts[:j].
+        So does a guided request's grammar mask (chapter 12), before them.
         """
         rows, params, generators, histories, counts, verified = [], [], [], [], [], {}
+        guided = {}  # index into rows of a guided sequence's first row -> (its Guide, its rows)
         eos = self.model.config.eos_token_ids
         row = 0
         for i, seq in enumerate(out.sequences):
@@ -313,20 +376,28 @@ class Engine:
             if drafts:
                 seen = None if not seq.params.history_rules else [  # row j's history: output + drafts[:j]
                     (seq.prompt_token_ids, seq.output_token_ids + drafts[:j]) for j in range(len(drafts) + 1)]
-                scored = apply_rules(logits[row:row + len(drafts) + 1], [seq.params] * (len(drafts) + 1), seen, eos)
+                scored = logits[row:row + len(drafts) + 1]
+                if seq.guide is not None:
+                    scored = seq.guide.mask_rows(scored, drafts)
+                scored = apply_rules(scored, [seq.params] * (len(drafts) + 1), seen, eos)
                 verified[i] = self.speculator.verify(scored, drafts, seq.params, seq.generator)
                 row += len(drafts) + 1
                 counts.append(0)
                 continue
             done = seq.num_computed_tokens + out.num_new_tokens(seq) == seq.num_tokens
             completions = [seq.generator] + seq.sibling_generators if done else []
+            if completions and seq.guide is not None:
+                guided[len(rows)] = (seq.guide, len(completions))
             rows += [row] * len(completions)
             params += [seq.params] * len(completions)
             generators += completions
             histories += [(seq.prompt_token_ids, seq.output_token_ids)] * len(completions)  # lists, not copies
             counts.append(len(completions))
             row += 1
-        tokens = sample(logits[rows], params, generators, histories, eos) if rows else []
+        picked = logits[rows]  # [len(rows), V], a copy: the masks write into it, not into logits
+        for first, (guide, count) in guided.items():  # n > 1: the n rows of a forking request share one state
+            picked[first:first + count] = guide.mask_rows(picked[first:first + 1], []).expand(count, -1)
+        tokens = sample(picked, params, generators, histories, eos) if rows else []
         sampled, start = [], 0
         for i, count in enumerate(counts):
             sampled.append(verified.get(i, tokens[start:start + count]))

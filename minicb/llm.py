@@ -138,7 +138,15 @@ def build(model: str | None = None, device: str | None = None, dtype: str = "flo
     except (OSError, ValueError):
         if model is None:
             raise  # the embedded model always has a tokenizer; this is a real error
-    return Built(net, tokenizer, Engine(net, config))
+    return Built(net, tokenizer, Engine(net, config, grammars=grammars_for(tokenizer, net, config)))
+
+
+def grammars_for(tokenizer, net: Model, config: EngineConfig):
+    """What compiles structured output for an engine on `net` (chapter 12); None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    from minicb.structured.guide import Grammars
+    return Grammars.for_tokenizer(tokenizer, net.config.eos_token_ids, config.structured_backend, config.jump_forward)
 
 
 class LLM:
@@ -164,7 +172,8 @@ class LLM:
         """Wrap an already built model, e.g. `minicb.model.random_model()` in tests.
         engine_config: EngineConfig's fields, as above."""
         llm = cls.__new__(cls)
-        llm._setup(net, tokenizer, Engine(net, engine_config_from(engine_config)))
+        config = engine_config_from(engine_config)
+        llm._setup(net, tokenizer, Engine(net, config, grammars=grammars_for(tokenizer, net, config)))
         return llm
 
     def _setup(self, net: Model, tokenizer, engine: Engine) -> None:

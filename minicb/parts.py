@@ -120,11 +120,15 @@ class EngineParts:
         return TritonAttention(kernels, prefill_backend)
 
     def speculator(self):
-        """Chapter 11's Speculator, or None when speculation is off."""
+        """Chapter 11's Speculator, or None when speculation and jump-forward are off."""
         ec = self.config
-        if ec.speculative_ngram is None:
+        if ec.speculative_ngram is None and not ec.jump_forward:
             return None
-        return self.module("speculative").Speculator(ec.speculative_ngram, ec.num_speculative_tokens)
+        speculator = self.module("speculative").Speculator(ec.speculative_ngram or 1, ec.num_speculative_tokens)
+        if ec.speculative_ngram is None:  # jump-forward alone (chapter 12): the verifier, no n-gram drafts
+            from minicb.structured.guide import VerifierOnly
+            return VerifierOnly(speculator)
+        return speculator
 
     def allocator(self, num_blocks: int):
         """A new, empty block allocator: chapter 07's caching one, or chapter 03's."""

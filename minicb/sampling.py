@@ -21,6 +21,26 @@ from dataclasses import dataclass, field
 import torch
 
 
+STRUCTURED_KINDS = ("json_schema", "regex", "choice", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's text must be (chapter 12): every token is sampled under the grammar's mask.
+
+    kind "json_schema" (spec: a JSON schema, a dict), "regex" (spec: a pattern),
+    "choice" (spec: a list of strings, the text is one of them) or "json_object"
+    (any JSON object, no spec). minicb/structured/ compiles it.
+    """
+
+    kind: str
+    spec: object = None
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured.kind={self.kind!r}; it must be one of {', '.join(STRUCTURED_KINDS)}")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 128  # new tokens at most (the EOS/stop token counts as one)
@@ -40,6 +60,8 @@ class SamplingParams:
     # Scores (minicb/logprobs.py), the model's own distribution before any sampling rule:
     logprobs: int | None = None  # each generated token's logprob, with the top k (0..20) of its row; None: none
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none); None: none
+    # Structured output (chapter 12): the text must match this grammar; None: any text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         self.validate()
@@ -67,6 +89,16 @@ class SamplingParams:
                 raise ValueError(f"{name}={getattr(self, name)!r}; it must be in [-2, 2] (0 means no penalty)")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p!r}; it must be in [0, 1] (0 means no limit)")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(f"structured={self.structured!r}; it must be a StructuredOutput or None")
+            # The grammar ends the text with EOS once it is complete: a request may not forbid that.
+            if self.ignore_eos:
+                raise ValueError("ignore_eos=True with structured output: the grammar ends the text with EOS "
+                                 "when it is complete; leave ignore_eos False")
+            if self.min_tokens:
+                raise ValueError(f"min_tokens={self.min_tokens} with structured output: EOS must stay allowed "
+                                 f"whenever the grammar is complete; leave min_tokens 0")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):

@@ -112,6 +112,10 @@ class Sequence:
     # prompt's (None first), set once its prompt is computed; completion 0 carries the prompt's.
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
+    # Structured output (chapter 12): its grammar state (minicb/structured/guide.py's Guide), set when
+    # its grammar is compiled; None for a request without one. error: why it ended, if it could not run.
+    guide: object | None = None
+    error: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -305,7 +309,9 @@ class SchedulerBase:
         max_drafts = min(budget - 1,
                          seq.params.max_tokens - len(seq.output_token_ids) - 1,  # the step adds drafts + 1
                          self.max_model_len - seq.num_tokens)  # the last draft's position must exist
-        return self.speculator.propose(seq.token_ids, max_drafts)
+        drafts = self.speculator.propose(seq.token_ids, max_drafts)
+        # Chapter 12: a guided request verifies its forced tokens (jump-forward), or the drafts' valid prefix.
+        return drafts if seq.guide is None else seq.guide.drafts(drafts, max_drafts)
 
     def slots_promised(self) -> int:
         """Slots taken or promised: every running sequence's, and its siblings' that will fork from it."""

@@ -40,3 +40,36 @@ def paged_step(model, seqs: list[tuple[int, int]], num_decodes: int, block_size:
     meta = AttentionMetadata.build(tables, [n for n, _ in seqs], [new for _, new in seqs], slots, num_decodes,
                                    device)
     return (torch.tensor([input_ids], device=device), torch.tensor([positions], device=device), meta, pool)
+
+
+# ----------------------------------------------------------------------------
+# Grammars for the tiny random model (chapter 12), whose 256 tokens have no text of their own.
+
+
+class TinyTokenizer:
+    """Text for the tiny model's tokens, so grammars can mask them: tokens 0, 1 and 2 are special
+    (2 is its EOS), 3..127 are the byte of their own number, and 128..255 are two lowercase letters
+    each ("aa", "ab", ..., "hp"), so a token may be longer than one step of the automaton."""
+
+    def __init__(self):
+        pairs = [bytes([a, b]) for a in b"abcdefgh" for b in b"abcdefghijklmnop"]
+        self.token_bytes = [b"", b"", b""] + [bytes([i]) for i in range(3, 128)] + pairs  # 256 entries
+        self._ids = {piece: i for i, piece in enumerate(self.token_bytes) if piece}
+
+    def encode(self, text: str) -> list[int]:
+        """Longest match first, left to right."""
+        data, ids = text.encode("utf-8"), []
+        while data:
+            piece = data[:2] if data[:2] in self._ids else data[:1]
+            ids.append(self._ids[piece])
+            data = data[len(piece):]
+        return ids
+
+
+def tiny_grammars(jump_forward: bool = False, backend: str = "minicb"):
+    """An engine's Grammars for random_model()'s vocabulary (EOS 2)."""
+    from minicb.structured.guide import Grammars
+    from minicb.structured.token_mask import TokenVocabulary
+
+    tokenizer = TinyTokenizer()
+    return Grammars(TokenVocabulary(tokenizer.token_bytes, [2], [0, 1]), tokenizer, [2], backend, jump_forward)

@@ -26,6 +26,11 @@ Hypothesis draws a configuration and a workload:
 - logprobs and prompt logprobs on some requests: the same tokens must get the
   plain engine's scores (within 1e-4), whichever chunk, cached block or verify
   row computed them;
+- structured output (chapter 12) on some requests: a regex, a choice or a JSON
+  schema over the tiny model's tokens (tests/engine/engine_support.py gives
+  them text), with jump-forward on or off: greedy text under the grammar's
+  mask must be the plain engine's, whatever verifies, chunks, forks or
+  preempts it, and no request may wait for its grammar at the end;
 - aborts of whole requests or of single completions, at a random step.
 
 Each workload runs on the tiny random model, and every completion that was not
@@ -55,7 +60,9 @@ from minicb.engine import Engine, EngineConfig
 from minicb.model import random_model
 from minicb.naive import first_difference, generate_with_cache
 from minicb.prefix_cache import block_keys
-from minicb.sampling import SamplingParams
+from minicb.sampling import SamplingParams, StructuredOutput
+
+from engine_support import tiny_grammars
 
 VOCAB = 256  # the tiny model's
 MODEL = random_model(seed=3)
@@ -80,6 +87,16 @@ def sampling_rules(draw, prompt: list[int], max_tokens: int) -> dict:
                 presence_penalty=draw(st.sampled_from([0.0, 0.0, -0.5, 0.7])),
                 frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.3, -0.2])),
                 min_p=draw(st.sampled_from([0.0, 0.1, 0.5])))
+
+
+GRAMMARS = [  # what a guided request's text must be: the tiny model's tokens spell bytes
+    StructuredOutput("regex", r"[a-h]{2,6}(!|\?)"),
+    StructuredOutput("choice", ["yes", "no", "maybe so"]),
+    StructuredOutput("regex", r'\{"k": (0|[1-9][0-9]{0,2})\}'),  # a fixed key: forced tokens to jump over
+    StructuredOutput("json_schema", {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                       "b": {"type": "boolean"}},
+                                     "required": ["a", "b"]}),
+]
 
 
 def scores_asked(draw) -> dict:
@@ -110,9 +127,13 @@ def workloads(draw):
         n = draw(st.integers(1, min(3, max_num_seqs)))
         seeded = draw(st.booleans())
         max_tokens = draw(st.integers(1, 6) | st.integers(7, 16))  # longer runs give prompt lookup its repeats
+        structured = draw(st.none() | st.none() | st.none() | st.sampled_from(GRAMMARS))
+        rules = sampling_rules(draw, prompt, max_tokens)
+        if structured is not None:
+            rules["min_tokens"] = 0  # a grammar must be free to end its text (SamplingParams refuses both)
         params = SamplingParams(max_tokens=max_tokens, n=n, temperature=0.9 if seeded else 0.0,
-                                seed=draw(st.integers(0, 2**16)) if seeded else None,
-                                **sampling_rules(draw, prompt, max_tokens), **scores_asked(draw))
+                                seed=draw(st.integers(0, 2**16)) if seeded else None, structured=structured,
+                                **rules, **scores_asked(draw))
         abort = draw(st.none() | st.tuples(st.integers(0, 12), st.none() | st.integers(0, n - 1)))
         requests.append((draw(st.just(0) | st.integers(0, 6)), prompt, params, abort))
     # The smallest pool lets the longest request run alone to its end: every tighter
@@ -127,11 +148,16 @@ def workloads(draw):
                   max_num_batched_tokens=draw(st.sampled_from([1, 2, 3]) | st.integers(1, 12) | st.integers(1, 64)
                                               if chunked else st.sampled_from([8, 64, 4096])),
                   cuda_graphs=draw(st.booleans()) or None, watermark=draw(st.sampled_from([0.0, 0.01, 0.2])),
-                  cpu_decode=draw(st.sampled_from(["compiled", "gather"])))
+                  cpu_decode=draw(st.sampled_from(["compiled", "gather"])), jump_forward=False)
     # Speculation needs room for its newest token and at least one draft in the budget.
     if draw(st.integers(0, 2)) and config["max_num_batched_tokens"] >= 2:  # on in 2 of 3
         config["speculative_ngram"] = draw(st.integers(1, 3))
         config["num_speculative_tokens"] = draw(st.integers(1, min(4, config["max_num_batched_tokens"] - 1)))
+    # Jump-forward verifies forced tokens as drafts: the same room in the budget.
+    if config["max_num_batched_tokens"] >= 2 and draw(st.booleans()):
+        config["jump_forward"] = True
+        config["num_speculative_tokens"] = min(config.get("num_speculative_tokens", 4),
+                                               config["max_num_batched_tokens"] - 1)
     return config, requests
 
 
@@ -143,7 +169,7 @@ def serve(config: dict, requests: list, aborts: bool = True):
     {(index, completion): (its tokens' logprobs, the prompt's)} of those that asked).
     Checks the streamed tokens and their scores, and that nothing is left behind.
     """
-    engine = Engine(MODEL, EngineConfig(**config))
+    engine = Engine(MODEL, EngineConfig(**config), grammars=tiny_grammars(config.get("jump_forward", False)))
     index_of, streamed, results, aborted, scores = {}, {}, {}, set(), {}
     rid_of, step = {}, 0
     pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
@@ -187,6 +213,7 @@ def serve(config: dict, requests: list, aborts: bool = True):
         f"{engine.allocator.num_free_blocks} of {engine.allocator.num_blocks} blocks are free after the run")
     assert not engine.sequences and not engine.scheduler.running and not any(engine.scheduler.slots), (
         f"the engine still holds {sorted(engine.sequences)}")
+    assert not engine.compiling, f"requests {sorted(engine.compiling)} still wait for their grammars"
     return results, aborted, scores
 
 
@@ -238,10 +265,12 @@ def test_every_feature_mix_gives_the_plain_engines_tokens(workload):
     assert got.keys() | aborted == expected and not got.keys() & aborted, (
         f"every completion must finish or be aborted, once: missing {sorted(expected - got.keys() - aborted)}, "
         f"both {sorted(got.keys() & aborted)}")
-    speculating = config.get("speculative_ngram") is not None
     for key in sorted(got):
         (tokens, reason), (want_tokens, want_reason) = got[key], want[key]
-        if speculating and requests[key[0]][2].seed is not None:  # other random draws: see the docstring
+        params = requests[key[0]][2]
+        # Drafts to verify: n-grams, or a guided request's forced tokens (jump-forward).
+        speculating = config.get("speculative_ngram") is not None or (config["jump_forward"] and params.structured)
+        if speculating and params.seed is not None:  # other random draws: see the docstring
             max_tokens, min_tokens = requests[key[0]][2].max_tokens, requests[key[0]][2].min_tokens
             assert (reason == "length" and len(tokens) == max_tokens) or (
                 reason == "stop" and min_tokens < len(tokens) <= max_tokens), (
@@ -264,7 +293,9 @@ def test_the_fuzzer_reaches_every_feature():
     seen = {"caching": 0, "chunked": 0, "budget 1": 0, "runner": 0, "speculation": 0, "n > 1": 0, "seeded": 0,
             "abort": 0, "repeat": 0, "tight pool": 0, "gather decode": 0, "min_tokens with stop tokens": 0,
             "repetition penalty": 0, "presence/frequency penalty": 0, "min_p sampled": 0,
-            "rules with speculation": 0, "logprobs": 0, "prompt logprobs with caching": 0}
+            "rules with speculation": 0, "logprobs": 0, "prompt logprobs with caching": 0,
+            "structured": 0, "structured with jump-forward": 0, "structured with speculation": 0,
+            "structured n > 1": 0}
     examples = []
 
     @SEED
@@ -295,6 +326,11 @@ def test_the_fuzzer_reaches_every_feature():
         seen["min_p sampled"] += any(s.min_p and not s.greedy for s in params)
         seen["rules with speculation"] += "speculative_ngram" in config and any(s.history_rules for s in params)
         seen["logprobs"] += any(s.logprobs is not None for s in params)
+        guided = [s for s in params if s.structured is not None]
+        seen["structured"] += bool(guided)
+        seen["structured with jump-forward"] += bool(guided) and config["jump_forward"]
+        seen["structured with speculation"] += bool(guided) and "speculative_ngram" in config
+        seen["structured n > 1"] += any(s.n > 1 for s in guided)
         seen["prompt logprobs with caching"] += config["enable_prefix_caching"] and any(
             s.prompt_logprobs is not None for s in params)
     assert all(seen.values()), f"the strategy never drew some features in 300 examples: {seen}"
