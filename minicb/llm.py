@@ -146,7 +146,8 @@ def grammars_for(tokenizer, net: Model, config: EngineConfig):
     if tokenizer is None:
         return None
     from minicb.structured.guide import Grammars
-    return Grammars.for_tokenizer(tokenizer, net.config.eos_token_ids, config.structured_backend, config.jump_forward)
+    return Grammars.for_tokenizer(tokenizer, net.config.eos_token_ids, net.config.vocab_size, config.structured_backend,
+                                  config.jump_forward)
 
 
 class LLM:

@@ -27,7 +27,6 @@ from typing import Protocol
 
 import torch
 
-from minicb.structured.regex import escape
 from minicb.structured.token_mask import Grammar, TokenVocabulary
 
 KINDS = ("regex", "choice", "json_schema", "json_object")
@@ -108,10 +107,10 @@ def to_regex(kind: str, spec) -> str:
     key = canonical_spec(kind, spec)
     if kind == "regex":
         return key
-    if kind == "choice":
-        return "|".join(f"(?:{escape(option)})" for option in spec)
-    # The JSON kinds' regexes are built in their own file; import it only when asked for.
+    # The choice and JSON kinds' regexes are built in their own file; import it only when asked for.
     from minicb.structured import json_schema
+    if kind == "choice":
+        return json_schema.choice_regex(list(spec))
     if kind == "json_schema":
         return json_schema.schema_to_regex(parse_schema(spec))
     return json_schema.json_object_regex()

@@ -137,12 +137,13 @@ class Grammars:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minicb-grammar")
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, eos_token_ids: list[int], backend: str = "minicb",
+    def for_tokenizer(cls, tokenizer, eos_token_ids: list[int], vocab_size: int, backend: str = "minicb",
                       jump_forward: bool = False) -> Grammars:
-        """An engine's Grammars for a minicb Tokenizer, its vocabulary read when first needed."""
+        """An engine's Grammars for a minicb Tokenizer, its vocabulary read when first needed. vocab_size:
+        the model's logits' width (a model may have more rows than its tokenizer has tokens)."""
         from minicb.structured.token_mask import TokenVocabulary
-        return cls(lambda: TokenVocabulary.from_tokenizer(tokenizer, eos_token_ids), tokenizer, eos_token_ids,
-                   backend, jump_forward)
+        return cls(lambda: TokenVocabulary.from_tokenizer(tokenizer, eos_token_ids, vocab_size), tokenizer,
+                   eos_token_ids, backend, jump_forward)
 
     def check(self, structured: StructuredOutput) -> None:
         """Raise ValueError naming what is not supported (a schema keyword, a regex construct). Cheap:

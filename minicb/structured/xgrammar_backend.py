@@ -127,10 +127,20 @@ class XGrammarMatcher:
         return self._bitmask
 
     def mask(self) -> torch.Tensor:
-        """The tokens allowed next. -> torch.bool [V] (none once finished)."""
+        """The tokens allowed next. -> torch.bool [V] (none once finished).
+
+        xgrammar's bitmask, held to the two rules the engine keeps with either backend
+        (the differences in this file's docstring): a special token is never text, and
+        EOS comes exactly when the text is a whole match (is_completed). fill_bitmask()
+        is xgrammar's answer as it gives it.
+        """
+        vocab = self.grammar.vocab
         if self.is_finished:
-            return torch.zeros(self.grammar.vocab.vocab_size, dtype=torch.bool)
-        return unpack_bitmask(self.fill_bitmask(), self.grammar.vocab.vocab_size)
+            return torch.zeros(vocab.vocab_size, dtype=torch.bool)
+        allowed = unpack_bitmask(self.fill_bitmask(), vocab.vocab_size).clone()
+        allowed[vocab.special_token_ids] = False
+        allowed[vocab.eos_token_ids] = self.can_end
+        return allowed
 
     def rollback(self, num_tokens: int) -> None:
         if not (isinstance(num_tokens, int) and 0 <= num_tokens <= self.num_accepted):
