@@ -77,10 +77,9 @@ class XGrammarCompiler:
         began = time.perf_counter()
         if kind in ("regex", "choice"):
             compiled = self.compiler.compile_regex(to_regex(kind, spec))
-        elif kind == "json_schema":
-            compiled = self.compiler.compile_json_schema(key)
-        else:
-            compiled = self.compiler.compile_builtin_json_grammar()
+        else:  # json.dumps' layout, as minicb's json_schema.py writes it, not xgrammar's free whitespace
+            schema = key if kind == "json_schema" else '{"type": "object"}'
+            compiled = self.compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
         return XGrammarGrammar(compiled, self.vocab, time.perf_counter() - began)
 
 
