@@ -57,7 +57,7 @@ from minicb.model_runner import prepare
 from minicb.parts import EngineParts
 from minicb.sampling import SamplingParams, apply_rules, make_generator, sample
 from minicb.scheduler import RequestRejected, Sequence, SchedulerOutput, StepResult
-from minicb.structured.guide import Grammars
+from minicb.structured.guide import Grammars, mask_logits
 from minicb.trace import SlotState, StepTrace
 
 
@@ -394,9 +394,12 @@ class Engine:
             histories += [(seq.prompt_token_ids, seq.output_token_ids)] * len(completions)  # lists, not copies
             counts.append(len(completions))
             row += 1
-        picked = logits[rows]  # [len(rows), V], a copy: the masks write into it, not into logits
-        for first, (guide, count) in guided.items():  # n > 1: the n rows of a forking request share one state
-            picked[first:first + count] = guide.mask_rows(picked[first:first + 1], []).expand(count, -1)
+        picked = logits[rows]  # [len(rows), V]
+        if guided:  # one mask over all rows (a free row allows everything), applied in one pass
+            allowed = torch.ones(picked.shape, dtype=torch.bool, device=picked.device)
+            for first, (guide, count) in guided.items():  # n > 1: a forking request's n rows share one state
+                allowed[first:first + count] = guide.allowed([]).to(picked.device)
+            picked = mask_logits(picked, allowed, eos)
         tokens = sample(picked, params, generators, histories, eos) if rows else []
         sampled, start = [], 0
         for i, count in enumerate(counts):

@@ -81,25 +81,39 @@ class Guide:
         forced = self.matcher.forced_tokens(self.tokenizer) if self.jump_forward else []
         return self.cut(forced[:max_drafts] if forced else proposed[:max_drafts])
 
-    def mask_rows(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        """logits [1 + len(drafts), V] -> the same with every forbidden token at -inf.
+    def allowed(self, drafts: list[int]) -> torch.Tensor:
+        """The tokens allowed at each of 1 + len(drafts) rows: row j after drafts[:j]. -> bool [1 + len(drafts), V].
 
-        Row j comes after drafts[:j]: the state walks over the drafts (which cut()
-        made valid) and rolls back, so nothing is accepted here. A row whose state
-        allows nothing at all (a grammar whose tokens cannot spell what it needs)
-        allows EOS instead, so the text ends rather than the softmax failing.
-        """
+        The state walks over the drafts (which cut() made valid) and rolls back, so
+        nothing is accepted here."""
+        if not drafts:
+            return self.matcher.mask()[None]
         masks = []
         for j in range(len(drafts) + 1):
             masks.append(self.matcher.mask())
             if j < len(drafts):
                 self.matcher.accept(drafts[j])
         self.matcher.rollback(len(drafts))
-        allowed = torch.stack(masks).to(logits.device)  # [1 + len(drafts), V] bool
-        stuck = ~allowed.any(-1)  # [1 + len(drafts)]
-        if bool(stuck.any()):
-            allowed[stuck.nonzero()[:, 0][:, None], torch.tensor(self.eos_token_ids, device=logits.device)] = True
-        return logits.masked_fill(~allowed, float("-inf"))
+        return torch.stack(masks)
+
+    def mask_rows(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """logits [1 + len(drafts), V] -> the same with every token the grammar forbids there at -inf."""
+        return mask_logits(logits, self.allowed(drafts).to(logits.device), self.eos_token_ids)
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """logits [R, V], allowed [R, V] bool -> logits with every forbidden token at -inf (a copy).
+
+    The softmax of the result is the model's distribution renormalised over the
+    allowed tokens: p(t) / sum of p over allowed, for allowed t; 0 for the rest. A
+    row that allows nothing at all (a grammar needing a byte no token spells)
+    allows EOS instead, so its text ends rather than the softmax dividing by zero.
+    """
+    stuck = ~allowed.any(-1)  # [R]
+    if bool(stuck.any()):
+        allowed = allowed.clone()
+        allowed[stuck.nonzero()[:, 0][:, None], torch.tensor(eos_token_ids, device=allowed.device)] = True
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 class VerifierOnly:
