@@ -100,7 +100,8 @@ else
     tests=(tests/engine/test_gpu_parity.py tests/engine/test_cuda_graphs.py tests/chapters/test_ch10_padding.py
            tests/chapters/test_ch05_triton_attention.py tests/engine/test_tile_attention.py
            tests/engine/test_parts.py tests/engine/test_host_syncs.py
-           tests/engine/test_logprobs.py)  # the parts and backends chosen on CUDA; scores through the graphs
+           tests/engine/test_logprobs.py tests/engine/test_structured_device.py)  # the parts and backends chosen
+    # on CUDA; scores through the graphs; grammar masks onto CUDA logits
     model_args=()
     bench_size=(--num-prompts 64 --max-tokens 256 --slots 32 --hf-batch 16)
 fi
