@@ -25,15 +25,15 @@ __course_date__ = "2026-12-03"
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "RequestOutput"]
 
 
 def __getattr__(name):
     # LLM pulls in torch, transformers and the engine, SamplingParams torch; load them
     # on first use so `import minicb.trace` or `python -m minicb serve --help` stays light.
-    if name == "SamplingParams":
-        from minicb.sampling import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "StructuredOutput"):
+        from minicb import sampling
+        return getattr(sampling, name)
     if name in ("LLM", "RequestOutput"):
         from minicb import llm
         return getattr(llm, name)

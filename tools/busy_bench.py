@@ -2,14 +2,16 @@
 
     .venv/bin/python tools/busy_bench.py          # 2 busy loops; OMP_WAIT_POLICY=PASSIVE vs libgomp's default
     .venv/bin/python tools/busy_bench.py --busy 1 --settings "GOMP_SPINCOUNT=10000" -- --slots 8
+    .venv/bin/python tools/busy_bench.py --rounds 3 --settings "OMP_WAIT_POLICY=PASSIVE" "GOMP_SPINCOUNT=3000"
 
 A learner's laptop runs a browser and Jupyter beside the engine. This runs
 `python -m minicb bench` (the arguments after `--`; by default 16 chat prompts,
 64 tokens, 8 slots, minicb-continuous only) in fresh processes: for each setting,
 once alone and once while `--busy` processes spin a Python loop
-each, in the order alone, busy, alone, busy, ... so that drift falls on both.
-It prints each run's tokens/s and what share of its idle throughput the busy
-run kept.
+each; with `--rounds N`, N rounds of every setting in turn (alone, busy, next
+setting, ...), so that drift falls on all of them. It prints each run's tokens/s,
+then each setting's median: what share of its idle throughput the busy run
+kept, and its idle throughput against the best setting's.
 
 Each setting is environment variables for the bench process, space-separated
 NAME=VALUE pairs. OMP_WAIT_POLICY=PASSIVE lets an OpenMP thread that waits for
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,15 +49,17 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=2, help="busy-loop processes beside the busy runs")
     ap.add_argument("--settings", nargs="+", default=["OMP_WAIT_POLICY=PASSIVE", "OMP_WAIT_POLICY="],
                     help="environments to compare, each space-separated NAME=VALUE pairs")
-    ap.add_argument("--pairs", type=int, default=1, help="alone/busy pairs per setting")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds; each runs every setting alone then busy, in turn, and a row is the median round")
     ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- then arguments for python -m minicb bench")
     args = ap.parse_args()
     bench_args = [a for a in args.bench if a != "--"] or DEFAULT_BENCH
-    print(f"python -m minicb bench {' '.join(bench_args)}; {args.busy} busy loop(s) beside the busy runs")
-    print("| setting | alone tok/s | busy tok/s | busy / alone |")
-    print("|---|---:|---:|---:|")
-    for setting in args.settings:
-        for _ in range(args.pairs):
+    from minicb.bench.machine import cpu_model
+    print(f"python -m minicb bench {' '.join(bench_args)}; {args.busy} busy loop(s) beside the busy runs; "
+          f"CPU: {cpu_model()}, {os.cpu_count()} cores; {args.rounds} round(s), settings in turns")
+    runs = {setting: [] for setting in args.settings}  # setting -> [(alone, busy)] per round
+    for _ in range(args.rounds):
+        for setting in args.settings:
             alone = bench_tok_s(bench_args, setting)
             loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
             try:
@@ -63,7 +68,14 @@ def main() -> None:
                 for p in loops:
                     p.kill()
                     p.wait()
-            print(f"| `{setting}` | {alone:.1f} | {busy:.1f} | {busy / alone:.0%} |", flush=True)
+            runs[setting].append((alone, busy))
+            print(f"  {setting or '(none)'}: alone {alone:.1f}, busy {busy:.1f} tok/s", flush=True)
+    best_alone = max(statistics.median(a for a, _ in r) for r in runs.values())
+    print("| setting | alone tok/s | busy tok/s | busy / alone | alone / best alone |")
+    print("|---|---:|---:|---:|---:|")
+    for setting, r in runs.items():
+        alone, busy = statistics.median(a for a, _ in r), statistics.median(b for _, b in r)
+        print(f"| `{setting}` | {alone:.1f} | {busy:.1f} | {busy / alone:.0%} | {alone / best_alone:.0%} |")
 
 
 if __name__ == "__main__":

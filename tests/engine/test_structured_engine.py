@@ -72,7 +72,7 @@ def test_sampled_json_is_valid_under_every_test_schema(smollm2):
     requests = [(prompt, SamplingParams(max_tokens=96, temperature=1.0, seed=i, n=3,
                                         structured=StructuredOutput("json_schema", case.schema)))
                 for i, case in enumerate(ACCEPTED)]
-    results = run(engine(smollm2, max_num_seqs=48), requests)
+    results = run(engine(smollm2, max_num_seqs=128, cpu_kv_gib=2.0), requests)  # one wave: every completion at once
     ended = 0
     for case, completions in zip(ACCEPTED, results):
         for tokens, reason in completions:
