@@ -57,7 +57,7 @@ from minicb.model_runner import prepare
 from minicb.parts import EngineParts
 from minicb.sampling import SamplingParams, apply_rules, make_generator, sample
 from minicb.scheduler import RequestRejected, Sequence, SchedulerOutput, StepResult
-from minicb.structured.guide import Grammars, mask_logits
+from minicb.structured.guide import Grammars
 from minicb.trace import SlotState, StepTrace
 
 
@@ -147,6 +147,8 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}  # seq_id -> its state, while it waits or runs (every completion)
         self.prompt_scores = PromptScoreCache(self.config.block_size)  # scored prompt blocks (minicb/logprobs.py)
         self.grammars = grammars
+        if grammars is not None:  # chapter 12's code, the reference's or a student's, compiles and masks
+            grammars.use(self.parts.token_mask())
         # Guided requests whose grammar is still compiling: seq_id -> (sequence, Future of the grammar).
         # They join the scheduler when it is ready (_admit_compiled), so nobody waits for a compile.
         self.compiling: dict[int, tuple[Sequence, Future]] = {}
@@ -399,7 +401,7 @@ class Engine:
             allowed = torch.ones(picked.shape, dtype=torch.bool, device=picked.device)
             for first, (guide, count) in guided.items():  # n > 1: a forking request's n rows share one state
                 allowed[first:first + count] = guide.allowed([]).to(picked.device)
-            picked = mask_logits(picked, allowed, eos)
+            picked = self.grammars.mask_logits(picked, allowed)
         tokens = sample(picked, params, generators, histories, eos) if rows else []
         sampled, start = [], 0
         for i, count in enumerate(counts):

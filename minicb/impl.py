@@ -51,6 +51,7 @@ CHAPTERS: dict[str, tuple[int, str]] = {
     "serve.loop": (9, "09-serving"),  # a module in a package: minicb.serve.loop
     "cuda_graphs": (10, "10-the-gpu-step"),
     "speculative": (11, "11-speculative-decoding"),
+    "structured.token_mask": (12, "12-structured-output"),  # minicb.structured.token_mask
 }
 
 

@@ -5,6 +5,7 @@ In this file you will learn what an engine is made of, in one place:
     parts = EngineParts.from_environment(config)     # whose code: MINICB_IMPL is read here, and only here
     attention = parts.attention(model)               # an attention backend (minicb/attention_backends.py)
     speculator = parts.speculator()                  # chapter 11's, or None
+    token_mask = parts.token_mask()                  # chapter 12's Grammar and mask_logits (guided requests)
     allocator = parts.allocator(num_blocks)          # chapter 03's, or chapter 07's caching one
     scheduler = parts.scheduler(allocator, model, speculator, seq_ids)   # chapter 06's, or 08's
     pool, runner = parts.runner(model, num_blocks, attention)               # eager, or chapter 10's
@@ -36,7 +37,7 @@ from minicb.paged_attention import KVPool
 
 # The chapter modules an engine is built from (the rest of impl.CHAPTERS run outside it).
 ENGINE_MODULES = ("block_allocator", "paged_attention", "triton_attention", "scheduler", "prefix_cache",
-                  "chunked_prefill", "serve.loop", "cuda_graphs", "speculative")
+                  "chunked_prefill", "serve.loop", "cuda_graphs", "speculative", "structured.token_mask")
 
 
 class EngineParts:
@@ -129,6 +130,11 @@ class EngineParts:
             from minicb.structured.guide import VerifierOnly
             return VerifierOnly(speculator)
         return speculator
+
+    def token_mask(self) -> ModuleType:
+        """Chapter 12's module: the Grammar guided requests compile to (its masks and matchers), and
+        mask_logits, which puts a mask on their rows (minicb/structured/guide.py's Grammars use it)."""
+        return self.module("structured.token_mask")
 
     def allocator(self, num_blocks: int):
         """A new, empty block allocator: chapter 07's caching one, or chapter 03's."""

@@ -117,22 +117,25 @@ def to_regex(kind: str, spec) -> str:
 
 
 class MinicbCompiler:
-    """Every kind through to_regex, then minicb's DFA (minicb/structured/token_mask.py's Grammar)."""
+    """Every kind through to_regex, then minicb's DFA (minicb/structured/token_mask.py's Grammar).
 
-    def __init__(self, vocab: TokenVocabulary):
-        self.vocab = vocab
+    grammar_type: the Grammar class to build, token_mask.py's or a student's chapter 12 one."""
+
+    def __init__(self, vocab: TokenVocabulary, grammar_type: type = Grammar):
+        self.vocab, self.grammar_type = vocab, grammar_type
 
     def compile(self, kind: str, spec) -> Grammar:
         began = time.perf_counter()
         pattern = to_regex(kind, spec)
-        grammar = Grammar.from_regex(pattern, self.vocab)
+        grammar = self.grammar_type.from_regex(pattern, self.vocab)
         grammar.compile_time_s = time.perf_counter() - began  # the schema -> regex step counts too
         return grammar
 
 
-def make_compiler(vocab: TokenVocabulary, backend: str = "minicb") -> GrammarCompiler:
+def make_compiler(vocab: TokenVocabulary, backend: str = "minicb", grammar_type: type = Grammar) -> GrammarCompiler:
+    """grammar_type: what minicb's backend builds (MinicbCompiler); xgrammar builds its own."""
     if backend == "minicb":
-        return MinicbCompiler(vocab)
+        return MinicbCompiler(vocab, grammar_type)
     if backend == "xgrammar":
         from minicb.structured.xgrammar_backend import XGrammarCompiler
         return XGrammarCompiler(vocab)

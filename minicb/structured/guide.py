@@ -35,11 +35,14 @@ token_mask.py; xgrammar's, behind the same interface, in xgrammar_backend.py.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
 
 import torch
 
 from minicb.sampling import StructuredOutput
+from minicb.structured import token_mask as reference_token_mask
 from minicb.structured.backend import GrammarCache, canonical_spec, make_compiler, to_regex
+from minicb.structured.token_mask import mask_logits
 
 
 class Guide:
@@ -47,16 +50,17 @@ class Guide:
 
     matcher: a StructuredMatcher (minicb/structured/backend.py) at the position
     after the completion's output so far. tokenizer: to spell forced bytes as
-    tokens (jump-forward). eos_token_ids: the model's. Tokens enter only through
-    accept(); drafts are walked and rolled back inside mask_rows() and cut().
+    tokens (jump-forward). eos_token_ids: the model's. mask_logits: the rule that puts
+    a mask on logits (token_mask.py's, or a student's chapter 12). Tokens enter only
+    through accept(); drafts are walked and rolled back inside mask_rows() and cut().
     """
 
-    def __init__(self, matcher, tokenizer, jump_forward: bool, eos_token_ids: list[int]):
+    def __init__(self, matcher, tokenizer, jump_forward: bool, eos_token_ids: list[int], mask_logits=mask_logits):
         self.matcher, self.tokenizer, self.jump_forward = matcher, tokenizer, jump_forward
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids, self.mask_logits = eos_token_ids, mask_logits
 
     def fork(self) -> Guide:
-        return Guide(self.matcher.fork(), self.tokenizer, self.jump_forward, self.eos_token_ids)
+        return Guide(self.matcher.fork(), self.tokenizer, self.jump_forward, self.eos_token_ids, self.mask_logits)
 
     def accept(self, token_id: int) -> None:
         if not self.matcher.accept(token_id):
@@ -98,22 +102,7 @@ class Guide:
 
     def mask_rows(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """logits [1 + len(drafts), V] -> the same with every token the grammar forbids there at -inf."""
-        return mask_logits(logits, self.allowed(drafts).to(logits.device), self.eos_token_ids)
-
-
-def mask_logits(logits: torch.Tensor, allowed: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """logits [R, V], allowed [R, V] bool -> logits with every forbidden token at -inf (a copy).
-
-    The softmax of the result is the model's distribution renormalised over the
-    allowed tokens: p(t) / sum of p over allowed, for allowed t; 0 for the rest. A
-    row that allows nothing at all (a grammar needing a byte no token spells)
-    allows EOS instead, so its text ends rather than the softmax dividing by zero.
-    """
-    stuck = ~allowed.any(-1)  # [R]
-    if bool(stuck.any()):
-        allowed = allowed.clone()
-        allowed[stuck.nonzero()[:, 0][:, None], torch.tensor(eos_token_ids, device=allowed.device)] = True
-    return logits.masked_fill(~allowed, float("-inf"))
+        return self.mask_logits(logits, self.allowed(drafts).to(logits.device), self.eos_token_ids)
 
 
 class VerifierOnly:
@@ -140,12 +129,15 @@ class Grammars:
     49,152 tokens' bytes is not free, and most engines never need it). tokenizer:
     anything with encode(text) -> ids, to spell forced text as tokens (jump-forward).
     backend and jump_forward: EngineConfig.structured_backend and .jump_forward.
+    token_mask: chapter 12's module, whose Grammar minicb's backend compiles to and
+    whose mask_logits masks the rows: token_mask.py, until an engine gives its own
+    (`use`, with EngineParts.token_mask(): the reference's, or a student's file).
     """
 
     def __init__(self, vocab, tokenizer, eos_token_ids: list[int], backend: str = "minicb",
-                 jump_forward: bool = False):
+                 jump_forward: bool = False, token_mask: ModuleType = reference_token_mask):
         self._vocab, self.tokenizer, self.eos_token_ids = vocab, tokenizer, list(eos_token_ids)
-        self.backend, self.jump_forward = backend, jump_forward
+        self.backend, self.jump_forward, self.token_mask = backend, jump_forward, token_mask
         self._cache: GrammarCache | None = None
         self._compiling: dict[tuple[str, str], Future] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minicb-grammar")
@@ -158,6 +150,18 @@ class Grammars:
         from minicb.structured.token_mask import TokenVocabulary
         return cls(lambda: TokenVocabulary.from_tokenizer(tokenizer, eos_token_ids, vocab_size), tokenizer,
                    eos_token_ids, backend, jump_forward)
+
+    def use(self, token_mask: ModuleType) -> None:
+        """Compile and mask with `token_mask`'s code from now on. Refused once a grammar was compiled
+        (its matchers are another module's), so two engines of different code cannot share one."""
+        if token_mask is not self.token_mask and self._compiling:
+            raise RuntimeError(f"these Grammars compiled with {self.token_mask.__name__} already; give the engine "
+                               f"its own Grammars to run {token_mask.__name__}")
+        self.token_mask = token_mask
+
+    def mask_logits(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """logits [R, V], allowed [R, V] bool -> every token a row forbids at -inf (token_mask's mask_logits)."""
+        return self.token_mask.mask_logits(logits, allowed, self.eos_token_ids)
 
     def check(self, structured: StructuredOutput) -> None:
         """Raise ValueError naming what is not supported (a schema keyword, a regex construct). Cheap:
@@ -178,9 +182,10 @@ class Grammars:
     def _compile(self, structured: StructuredOutput):
         if self._cache is None:
             vocab = self._vocab() if callable(self._vocab) else self._vocab
-            self._cache = GrammarCache(make_compiler(vocab, self.backend))
+            self._cache = GrammarCache(make_compiler(vocab, self.backend, self.token_mask.Grammar))
         return self._cache.get(structured.kind, structured.spec)
 
     def guide(self, grammar) -> Guide:
         """A new completion's Guide, at the grammar's start."""
-        return Guide(grammar.matcher(), self.tokenizer, self.jump_forward, self.eos_token_ids)
+        return Guide(grammar.matcher(), self.tokenizer, self.jump_forward, self.eos_token_ids,
+                     self.token_mask.mask_logits)

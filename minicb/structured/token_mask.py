@@ -18,6 +18,8 @@ touching the model:
   nearly all do; the gather takes 1.3 ms in every state, so Grammar uses it;
 - EOS has no bytes: it is allowed exactly when the state is accepting. Special
   tokens (<|im_start|>, ...) are control, not text: a grammar never allows them;
+- a mask goes on the logits (`mask_logits`): every forbidden token at -inf, so
+  the softmax renormalises the model's distribution over the allowed tokens;
 - a mask depends only on the DFA state, and a DFA has few states, so a
   `Grammar` computes each state's mask once and every request shares it. A
   request's own position is a `Matcher`: a list of states, one per accepted
@@ -31,7 +33,8 @@ xgrammar's `fill_next_token_bitmask`):
 
     .venv/bin/python -m minicb.structured.token_mask
 
-Chapter text: chapters/12-structured-output/README.md.
+Chapter text: chapters/12-structured-output/README.md; the exercise
+(chapters/12-structured-output/exercise.py) stands in for this file.
 """
 from __future__ import annotations
 
@@ -191,6 +194,21 @@ def allowed_tokens_vectorized(dfa: DFA, vocab: TokenVocabulary, state: int) -> n
     allowed = (token_end_states(dfa, vocab, state) >= 0) & vocab.text_token
     allowed[vocab.eos_token_ids] = bool(dfa.accepting[state])
     return allowed
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """logits [R, V], allowed [R, V] bool -> logits with every forbidden token at -inf (a copy).
+
+    The softmax of the result is the model's distribution renormalised over the
+    allowed tokens: p(t) / sum of p over allowed, for allowed t; 0 for the rest. A
+    row that allows nothing at all (a grammar needing a byte no token spells)
+    allows EOS instead, so its text ends rather than the softmax dividing by zero.
+    """
+    stuck = ~allowed.any(-1)  # [R]
+    if bool(stuck.any()):
+        allowed = allowed.clone()
+        allowed[stuck.nonzero()[:, 0][:, None], torch.tensor(eos_token_ids, device=allowed.device)] = True
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def check_token_id(token_id, vocab_size: int) -> int:

@@ -4,7 +4,7 @@ A test such as `pytest.raises(ValueError, match="different prefix")` grades
 the wording of a message. A student who writes from the chapter text alone can
 produce that wording only if the text asks for it; otherwise a grader run is
 lost to a rule nobody could know. So for every `pytest.raises(..., match=...)`
-in tests/chapters/test_chNN_*.py, for each chapter NN with an exercise (01-11; chapter
+in tests/chapters/test_chNN_*.py, for each chapter NN with an exercise (01-12; chapter
 00's tests check given code only), this file requires:
 
 1. an entry in RULES below, keyed by the test file, the test function and the
