@@ -1,8 +1,8 @@
 """The Mutant record (one realistic bug planted in one task's code) and the given code mutants share.
 
 Its own module, so that the lists of mutants can live in several files: test_mutants.py
-holds the first ones and grades them all, mutants_ch01_05.py and mutants_ch06_11.py
-the later kinds.
+holds the first ones and grades them all, mutants_ch01_05.py, mutants_ch06_11.py and
+mutants_ch12.py the later kinds.
 """
 from __future__ import annotations
 
@@ -107,3 +107,18 @@ ADMIT_IMPORTS = "from minicb.scheduler import RequestStatus\n"
 
 # Chapter 11's given code, written again in the mutant's file so that it calls the mutated function.
 SPECULATOR_GIVEN = ("verify", "Speculator")
+
+# Chapter 12's given Grammar as the exercise has it, so the engine runs the mutated code: its masks
+# from the file's allowed_tokens_trie and its matchers of the file's Matcher (the reference's own
+# Grammar takes the vectorized walk and the reference's Matcher).
+GRAMMAR_GIVEN = """
+class Grammar(Grammar):
+    def mask(self, state):
+        if state not in self._masks:
+            allowed = allowed_tokens_trie(self.dfa, self.vocab, state)
+            self._masks[state] = torch.from_numpy(np.asarray(allowed, dtype=bool))
+        return self._masks[state]
+
+    def matcher(self):
+        return Matcher(self)
+"""

@@ -25,8 +25,8 @@ import pytest
 from minicb import check, impl, tasks
 from minicb.block_allocator import BlockAllocator
 from tool_support import sleeping_children
-from mutant_support import (ADMIT_IMPORTS, DECODE_GRAPHS_SUBCLASS, RUN_STATIC_WRAPPER,  # noqa: F401
-                            SPECULATOR_GIVEN, STUDENT_CHUNK_KERNEL, Mutant)
+from mutant_support import (ADMIT_IMPORTS, DECODE_GRAPHS_SUBCLASS, GRAMMAR_GIVEN,  # noqa: F401
+                            RUN_STATIC_WRAPPER, SPECULATOR_GIVEN, STUDENT_CHUNK_KERNEL, Mutant)
 
 pytestmark = pytest.mark.slow  # one pytest run per mutant: a few minutes in all
 
@@ -270,17 +270,42 @@ MUTANTS = [
            [("        u = torch.rand((), generator=generator, device=p.device)\n", ""),
             ("    tokens = []\n", "    tokens = []\n    u = torch.rand((), generator=generator)  # one for all\n")],
            recompile=SPECULATOR_GIVEN),
+    # ---- chapter 12: structured output (the exercise's given Grammar written again, so the engine calls the bug)
+    Mutant(12, 1, "the trie walk does not skip a dead prefix's subtree, so its tokens step on from a sibling's "
+           "state: a token whose walk dies midway is allowed", "allowed_tokens_trie",
+           [("i = subtree_end[i]  # prune", "i += 1  # prune")], GRAMMAR_GIVEN),
+    Mutant(12, 1, "EOS is allowed in every state, not only where the text is a whole match", "allowed_tokens_trie",
+           [("allowed[vocab.eos_token_ids] = bool(dfa.accepting[state])", "allowed[vocab.eos_token_ids] = True")],
+           GRAMMAR_GIVEN),
+    Mutant(12, 2, "the mask picks the most likely allowed token instead of masking (constrains after the choice): "
+           "right for greedy, wrong for sampling", "mask_logits",
+           [('    return logits.masked_fill(~allowed, float("-inf"))',
+             '    best = logits.masked_fill(~allowed, float("-inf")).argmax(-1, keepdim=True)\n'
+             '    return torch.full_like(logits, float("-inf")).scatter(-1, best, 0.0)')], GRAMMAR_GIVEN),
+    Mutant(12, 2, "the mask multiplies the probabilities and hands them on as logits: nothing is renormalised, "
+           "and forbidden tokens keep weight", "mask_logits",
+           [('    return logits.masked_fill(~allowed, float("-inf"))', "    return logits.softmax(-1) * allowed")],
+           GRAMMAR_GIVEN),
+    Mutant(12, 3, "next_state remembers where a token leads by the token alone, whatever state it came from",
+           "Grammar.next_state", [("key = (state, token_id)", "key = token_id")], GRAMMAR_GIVEN),
+    Mutant(12, 4, "rollback slices from the end, so rollback(0) forgets every token (del states[-0:])",
+           "Matcher.rollback", [("del self.states[len(self.states) - num_tokens:]", "del self.states[-num_tokens:]"),
+                                ("del self.token_ids[len(self.token_ids) - num_tokens:]",
+                                 "del self.token_ids[-num_tokens:]")], GRAMMAR_GIVEN),
+    Mutant(12, 4, "fork shares its parent's lists of states and tokens", "Matcher.fork",
+           [("list(self.states), list(self.token_ids)", "self.states, self.token_ids")], GRAMMAR_GIVEN),
 ]
 
 
-# Later kinds, in files of their own (each a list of Mutant): chapters 01-05 and 06-11.
+# Later kinds, in files of their own (each a list of Mutant): chapters 01-05, 06-11 and 12.
 from mutants_ch01_05 import MUTANTS as EARLY_CHAPTERS  # noqa: E402
 from mutants_ch06_11 import MUTANTS as LATE_CHAPTERS  # noqa: E402
+from mutants_ch12 import MUTANTS as CHAPTER_12  # noqa: E402
 
 # Each grade is a child pytest (5-30 s on two cores), and the later kinds number five and more a
 # chapter: they run with MINICB_GRADER_CHECKS=all (`make grader-check`, ten minutes or so more),
 # outside `make test`'s time budget; the tests they made necessary run in every chapter's grade.
-LATER_KINDS = EARLY_CHAPTERS + LATE_CHAPTERS
+LATER_KINDS = EARLY_CHAPTERS + LATE_CHAPTERS + CHAPTER_12
 if os.environ.get("MINICB_GRADER_CHECKS", "") == "all":
     MUTANTS += LATER_KINDS
 
@@ -399,6 +424,14 @@ def test_the_unmutated_student_kernel_passes(tmp_path):
     report = grade(Mutant(8, 3, "none", "chunk_attention_triton", [], source=STUDENT_CHUNK_KERNEL), tmp_path)
     assert report.passed, (f"the student-style chunk kernel, unmutated, should pass check 8's task 3: "
                            f"{[(r.nodeid, r.message) for r in report.results if r.outcome == 'failed']} "
+                           f"{report.errors}")
+
+
+def test_the_unmutated_given_grammar_passes(tmp_path):
+    # The control for chapter 12's mutants: the reference with the exercise's given Grammar passes check 12.
+    report = grade(Mutant(12, 1, "none", "allowed_tokens_trie", [], GRAMMAR_GIVEN), tmp_path)
+    assert report.passed, (f"the reference with chapter 12's given Grammar should pass check 12's task 1 and "
+                           f"row all: {[(r.nodeid, r.message) for r in report.results if r.outcome == 'failed']} "
                            f"{report.errors}")
 
 
