@@ -7,7 +7,7 @@ check what executing cannot:
 - each imports from minicb and defines no library code of its own: a function
   longer than a few lines belongs in minicb/, where tests can reach it;
 - each picks CUDA when it is there, and ends with the chapter's grading cell
-  (chapters 01-11) or a self-check (chapter 00).
+  (chapters 01-12) or a self-check (chapter 00).
 """
 import ast
 import pathlib
@@ -19,7 +19,8 @@ import pytest
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 EXPECTED = ["00-the-model", "01-naive-generation", "02-static-batching", "03-block-allocation",
             "04-paged-attention", "05-triton-attention", "06-continuous-batching", "07-prefix-caching",
-            "08-chunked-prefill", "09-serving", "10-the-gpu-step", "11-speculative-decoding"]
+            "08-chunked-prefill", "09-serving", "10-the-gpu-step", "11-speculative-decoding",
+            "12-structured-output"]
 MAX_DEF_LINES = 10  # tiny glue is fine; anything longer is library code
 
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
