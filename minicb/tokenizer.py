@@ -34,12 +34,16 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         """Messages -> prompt token ids, ending with the assistant turn's header (unless add_generation_prompt
-        is False)."""
+        is False). tools: OpenAI-shaped function tools for the template to write, if it writes them
+        (SmolLM2's does not; minicb/serve/chat.py asks before it relies on one)."""
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError(f"a chat must be a non-empty list of {{'role': ..., 'content': ...}} dicts; got {messages!r}")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                          **extra)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     @property

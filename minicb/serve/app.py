@@ -66,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minicb.bench.machine import device_name
 from minicb.engine import Engine
-from minicb.sampling import SamplingParams
+from minicb.sampling import SamplingParams, StructuredOutput
 from minicb.scheduler import RequestRejected
 from minicb.serve import chat
 from minicb.serve import protocol as p
@@ -75,6 +75,7 @@ from minicb.serve.loop import MAX_BUFFERED_STEPS, EngineLoop, NotServing, QueueF
 from minicb.serve.metrics import CONTENT_TYPE, ServerMetrics
 from minicb.serve.request import EngineError, ServedRequest
 from minicb.serve.scores import TokenTexts, chat_logprobs, completion_logprobs
+from minicb.serve.tools import CallReader, ToolCalling, tool_calling
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 # The largest request body accepted, in bytes (create_app's max_body_bytes). A token id
@@ -269,15 +270,23 @@ def encode(server: ServerState, prompt, param: str) -> list[int]:
     return list(prompt)
 
 
-def request_params(server: ServerState, req: p._Sampling, prompt_ids: list[int], max_tokens: int | None,
-                   prompt_field: str, max_tokens_field: str, prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's SamplingParams, once the engine has said it could serve them (else a 400).
-    prompt_field, max_tokens_field: what this route calls the prompt and the length limit.
-    prompt_logprobs: score the prompt too, with this many top tokens (echo with logprobs)."""
+def refuse_unsupported(req: p._Sampling) -> None:
+    """A 400 naming the first field set to something minicb cannot do (protocol's `unsupported()`)."""
     unsupported = req.unsupported()
     if unsupported:
         name, why = unsupported[0]
         raise APIError(400, f"minicb does not support {name} as sent: {why}", name, "unsupported_value")
+
+
+def request_params(server: ServerState, req: p._Sampling, prompt_ids: list[int], max_tokens: int | None,
+                   prompt_field: str, max_tokens_field: str, prompt_logprobs: int | None = None,
+                   structured: tuple[str, StructuredOutput] | None = None) -> SamplingParams:
+    """The request's SamplingParams, once the engine has said it could serve them (else a 400).
+    prompt_field, max_tokens_field: what this route calls the prompt and the length limit.
+    prompt_logprobs: score the prompt too, with this many top tokens (echo with logprobs).
+    structured: (the field that asked, its grammar), for every token to be sampled under; the
+    engine's refusal of the grammar (a schema keyword it cannot hold a model to) names that field."""
+    refuse_unsupported(req)
     if any(not s for s in req.stop_strings()):
         raise APIError(400, "stop strings must not be empty", "stop")
     engine = server.engine
@@ -289,7 +298,7 @@ def request_params(server: ServerState, req: p._Sampling, prompt_ids: list[int],
                                 stop_token_ids=list(req.stop_token_ids or []), min_tokens=req.min_tokens,
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty, logprobs=req.score_count(),
-                                prompt_logprobs=prompt_logprobs)
+                                prompt_logprobs=prompt_logprobs, structured=structured[1] if structured else None)
     except ValueError as e:  # SamplingParams names the field first: "max_tokens=0; it must be ..."
         field = str(e).split("=", 1)[0]
         if field == "max_tokens" and isinstance(req, p.CompletionRequest) and max_tokens == 0:
@@ -301,7 +310,8 @@ def request_params(server: ServerState, req: p._Sampling, prompt_ids: list[int],
     try:
         engine.check_request(prompt_ids, params)  # reads only sizes fixed at start: safe off the engine thread
     except RequestRejected as e:  # the engine names fields as /v1/completions does; this route may not
-        param = {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(e.param, e.param)
+        asked = structured[0].split(".")[0] if structured else None  # "structured_outputs.json": its field
+        param = {"prompt": prompt_field, "max_tokens": max_tokens_field, "structured": asked}.get(e.param, e.param)
         raise APIError(400, str(e), param, e.code) from None
     return params
 
@@ -385,6 +395,16 @@ class AnswerFormat:
     def ids(self, piece: Piece) -> list[int] | None:
         return piece.token_ids if self.send_ids else None
 
+    def shows(self, piece: Piece) -> bool:
+        """Whether a step's piece has anything for the client: text, the end, or ids or scores it asked for.
+        (A step may add nothing to show: half a character, a held-back stop string.)"""
+        return bool(piece.text or piece.finish_reason is not None or (self.send_ids and piece.token_ids)
+                    or (self.scoring and piece.scored))
+
+    def pieces(self, piece: Piece) -> list:
+        """The stream choices one step of a choice sends, a chunk each: one, or none if it shows nothing."""
+        return [self.piece(piece)] if self.shows(piece) else []
+
 
 class TextFormat(AnswerFormat):
     """/v1/completions: a choice is text, whole or one step's piece of it."""
@@ -406,21 +426,63 @@ class TextFormat(AnswerFormat):
         return p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=pieces).model_dump()
 
 
+@dataclass
 class ChatFormat(AnswerFormat):
-    """/v1/chat/completions: a whole choice is the assistant's message, a piece a delta of its content."""
+    """/v1/chat/completions: a whole choice is the assistant's message, a piece a delta of its content.
+
+    calling: the request's tools, when it may call one (minicb/serve/tools.py). Each
+    choice's text is then read by a CallReader: a call becomes `tool_calls` (content
+    null, finish_reason "tool_calls"), streamed in OpenAI's delta shape; other text
+    stays content. `readers` holds a stream's, one per choice.
+    """
+
+    calling: ToolCalling | None = None
+    readers: dict[int, CallReader] = field(default_factory=dict)
 
     def logprobs(self, piece: Piece) -> p.ChatLogprobs | None:
         return chat_logprobs(self.texts, [e for _, e in piece.scored]) if self.scoring else None
 
     def choice(self, piece: Piece) -> p.ChatChoice:
-        return p.ChatChoice(index=piece.index, message=p.AssistantMessage(content=piece.text),
-                            logprobs=self.logprobs(piece), finish_reason=piece.finish_reason,
-                            stop_reason=piece.stop_reason, token_ids=self.ids(piece))
+        message, finish_reason = p.AssistantMessage(content=piece.text), piece.finish_reason
+        if self.calling is not None:
+            reader = self.calling.reader()
+            finish_reason = reader.read(piece.text, piece.finish_reason).finish_reason
+            if reader.kind == "call":
+                call = p.ToolCall(id=reader.call_id, type="function",
+                                  function=p.FunctionCall(name=reader.name, arguments=reader.arguments))
+                message = p.AssistantMessage(content=None, tool_calls=[call])
+        return p.ChatChoice(index=piece.index, message=message, logprobs=self.logprobs(piece),
+                            finish_reason=finish_reason, stop_reason=piece.stop_reason, token_ids=self.ids(piece))
 
-    def piece(self, piece: Piece) -> p.ChatStreamChoice:
-        return p.ChatStreamChoice(index=piece.index, delta=p.DeltaMessage(content=piece.text),
-                                  logprobs=self.logprobs(piece), finish_reason=piece.finish_reason,
-                                  stop_reason=piece.stop_reason, token_ids=self.ids(piece))
+    def piece(self, piece: Piece, delta: p.DeltaMessage | None = None, last: bool = True) -> p.ChatStreamChoice:
+        """A stream choice with `delta` (the piece's text, if None); only the `last` of a step's carries its
+        ids, scores and end."""
+        return p.ChatStreamChoice(index=piece.index, delta=delta or p.DeltaMessage(content=piece.text),
+                                  logprobs=self.logprobs(piece) if last else None,
+                                  finish_reason=piece.finish_reason if last else None,
+                                  stop_reason=piece.stop_reason if last else None,
+                                  token_ids=self.ids(piece) if last else None)
+
+    def pieces(self, piece: Piece) -> list[p.ChatStreamChoice]:
+        if self.calling is None:
+            return super().pieces(piece)
+        reader = self.readers.setdefault(piece.index, self.calling.reader())
+        read = reader.read(piece.text, piece.finish_reason)
+        deltas = []
+        if read.opened:  # OpenAI's first delta of a call: its id, type and name, and no arguments yet
+            deltas.append(p.DeltaMessage(tool_calls=[p.DeltaToolCall(
+                index=0, id=reader.call_id, type="function", function=p.DeltaFunctionCall(name=reader.name,
+                                                                                        arguments=""))]))
+        if read.arguments:
+            deltas.append(p.DeltaMessage(tool_calls=[p.DeltaToolCall(
+                index=0, function=p.DeltaFunctionCall(arguments=read.arguments))]))
+        if read.content:
+            deltas.append(p.DeltaMessage(content=read.content))
+        shown = Piece(piece.index, read.content + read.arguments, piece.token_ids, piece.scored,
+                      read.finish_reason, piece.stop_reason)
+        if not deltas and self.shows(shown):  # the end, or ids or scores, with no text to go with them
+            deltas.append(p.DeltaMessage())
+        return [self.piece(shown, delta, last=i == len(deltas) - 1) for i, delta in enumerate(deltas)]
 
     def answer(self, choices: list, usage: p.UsageInfo) -> p.ChatCompletionResponse:
         return p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -430,8 +492,9 @@ class ChatFormat(AnswerFormat):
         return p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=pieces).model_dump()
 
     def opening(self, n: int) -> list[dict]:
-        # OpenAI's first chunk of each choice names the role, with empty content.
-        return [self.chunk([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
+        # OpenAI's first chunk of each choice names the role, with empty content (null: a forced call has none).
+        content = None if self.calling is not None and self.calling.forced else ""
+        return [self.chunk([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=content))])
                 for i in range(n)]
 
 
@@ -535,8 +598,10 @@ def sse(data) -> str:
 async def stream(served: list[ServedRequest], form: AnswerFormat, req: p._Sampling, echoes: list[Echo] | None):
     """Server-sent events: the opening chunks, one chunk per choice per step, usage, [DONE].
 
-    A step that added nothing to show (half a character, a held-back stop string)
-    sends nothing, unless the client asked for token ids or scores. A choice's
+    A step that added nothing to show (half a character, a held-back stop string,
+    a tool call's name not yet whole) sends nothing, unless the client asked for
+    token ids or scores; the step that completes a call's name sends two (the
+    call's first delta, then its first arguments: `form.pieces`). A choice's
     first chunk starts with its prompt, with echo. With stream_options'
     continuous_usage_stats, every chunk carries the usage so far.
     """
@@ -553,9 +618,8 @@ async def stream(served: list[ServedRequest], form: AnswerFormat, req: p._Sampli
                 if index not in offsets and echoes is not None:
                     piece = echoes[i].piece(index, served[i]).then(piece)
                 offsets[index] = piece.offset + sum(len(form.texts.text(t)) for t, _ in piece.scored)
-                if piece.text or piece.finish_reason is not None or (form.send_ids and piece.token_ids) or (
-                        form.scoring and piece.scored):
-                    chunk = form.chunk([form.piece(piece)])
+                for choice in form.pieces(piece):
+                    chunk = form.chunk([choice])
                     if options.continuous_usage_stats:
                         chunk["usage"] = usage(served).model_dump()
                     yield sse(chunk)
@@ -613,11 +677,14 @@ async def completions(req: p.CompletionRequest, request: Request, server: Server
     score_only = req.echo and max_tokens == 0  # score the prompt, generate nothing (lm-eval's loglikelihood)
     prompt_logprobs = req.logprobs if req.echo else None
     prompts = req.prompts()
+    refuse_unsupported(req)  # before the grammar is read: two structured fields are one 400
+    sources = req.structured_sources()  # response_format, guided_*, structured_outputs: one at most
     requests = []
     for prompt in prompts:  # every prompt checked before any is queued
         prompt_ids = encode(server, prompt, "prompt")
         requests.append((prompt_ids, request_params(server, req, prompt_ids, 1 if score_only else max_tokens,
-                                                    "prompt", "max_tokens", prompt_logprobs)))
+                                                    "prompt", "max_tokens", prompt_logprobs,
+                                                    sources[0] if sources else None)))
     served = submit(server, requests, req.stop_strings(), score_only)
     echoes = None
     if req.echo:
@@ -634,17 +701,27 @@ async def chat_completions(req: p.ChatCompletionRequest, request: Request, serve
     if server.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so it has no chat template; use /v1/completions "
                             "with token ids", "messages")
+    refuse_unsupported(req)  # before the tools and the grammar are read
+    calling = tool_calling(req)  # None: no tool may be called (none given, or tool_choice "none")
     try:
-        prompt = chat.render(server.tokenizer, req.messages)  # tool calls, results and names included
+        # Tool calls, results and names included; the tools too, when one may be called.
+        prompt = chat.render(server.tokenizer, req.messages, tools=req.tools if calling else None)
     except Exception as e:  # the template's own complaint (e.g. roles in an order it refuses)
         raise APIError(400, f"the chat template refused these messages: {e}", "messages") from None
     prompt_ids = encode(server, prompt, "messages")
     limit, field = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
                     else (req.max_tokens, "max_tokens"))
-    params = request_params(server, req, prompt_ids, limit, "messages", field)
+    sources = req.structured_sources()
+    structured = sources[0] if sources else None
+    if calling is not None:  # the answer's grammar is the call's (with auto: beside text or the format)
+        try:
+            structured = ("tools", calling.grammar(structured))
+        except RequestRejected as e:  # a tool's schema keyword minicb cannot hold a model to, named
+            raise APIError(400, str(e), e.param, e.code) from None
+    params = request_params(server, req, prompt_ids, limit, "messages", field, structured=structured)
     served = submit(server, [(prompt_ids, params)], req.stop_strings())
     form = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name, server.texts,
-                      req.return_token_ids, req.logprobs)
+                      req.return_token_ids, req.logprobs, calling=calling)
     return await respond(served, request, req, form)
 
 

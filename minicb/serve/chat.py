@@ -40,12 +40,20 @@ use, so a model trained on tool calls may know it):
 - a message's `name`: its content starts with `{name}: `, as in a transcript (an
   empty name says nothing, and nothing is written).
 
+The tools a request offers (`tools`, unless tool_choice is "none") reach the
+prompt too: a template that takes a tool list (HF's `tools=`; `knows_tool_list`
+asks it) gets them there, and for one that does not, the system message gets
+minicb/serve/tools.py's `tools_prompt`, the signatures inside `<tools></tools>`
+and how to write a `<tool_call>` block, after its own text (a chat without a
+system message gets one). SmolLM2's template takes none, so it gets the text.
+
 So nothing a client sends is lost on the way to the model. Both
 /v1/chat/completions and /tokenize (with messages) call `render`, so /tokenize
 counts exactly the prompt a chat request would get:
 
     prompt_ids = render(server.tokenizer, req.messages)          # list[int]
     prompt_ids = render(tokenizer, messages, add_generation_prompt=False)
+    prompt_ids = render(tokenizer, messages, tools=req.tools)    # protocol.Tools, into the prompt
 
 The probes cost one more render of a tiny chat, and only for a chat that has
 tool messages or names. The server is chapter 09's; tests in
@@ -54,6 +62,8 @@ tests/serve/test_server_chat_tools.py.
 from __future__ import annotations
 
 import json
+
+from minicb.serve.tools import tool_dicts, tools_prompt
 
 # The probe chats' words: unlikely in any template, so finding one in the output means the template wrote it.
 PROBE_FUNCTION = "minicb_probe_function"
@@ -65,15 +75,17 @@ PROBE_SPEAKER = "minicb-probe-speaker"
 # ---- asking the template -------------------------------------------------------------------------
 
 
-def writes(tokenizer, chat: list[dict], words: list[str]) -> bool:
-    """Whether the template, run on `chat`, writes every one of `words` into the prompt.
+def writes(tokenizer, chat: list[dict], words: list[str], **template_args) -> bool:
+    """Whether the template, run on `chat` (and `template_args`, e.g. tools=), writes every one of
+    `words` into the prompt.
 
     We look at the prompt's text (its ids decoded with the special tokens kept), so
     this asks any tokenizer with `apply_chat_template` and `decode`, HF's or not.
-    A template that fails on the probe does not know what the probe has.
+    A template that fails on the probe (or a tokenizer that takes no such
+    argument) does not know what the probe has.
     """
     try:
-        text = tokenizer.decode(tokenizer.apply_chat_template(chat), skip_special_tokens=False)
+        text = tokenizer.decode(tokenizer.apply_chat_template(chat, **template_args), skip_special_tokens=False)
     except Exception:
         return False
     return all(word in text for word in words)
@@ -87,6 +99,13 @@ def knows_tools(tokenizer) -> bool:
              {"role": "assistant", "content": "", "tool_calls": [call]},
              {"role": "tool", "tool_call_id": "call_probe", "content": PROBE_RESULT}]
     return writes(tokenizer, probe, [PROBE_FUNCTION, PROBE_ARGUMENT, PROBE_RESULT])
+
+
+def knows_tool_list(tokenizer) -> bool:
+    """Whether the chat template writes the tools a request offers (HF's `tools=` argument)."""
+    tool = {"type": "function", "function": {"name": PROBE_FUNCTION, "description": "Probe.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    return writes(tokenizer, [{"role": "user", "content": "Hello."}], [PROBE_FUNCTION], tools=[tool])
 
 
 def knows_names(tokenizer) -> bool:
@@ -148,12 +167,22 @@ def as_turn(message, names_as_text: bool, tools_as_text: bool) -> dict:
     return turn
 
 
-def render(tokenizer, messages: list, add_generation_prompt: bool = True) -> list[int]:
+def with_tools_in_system(chat: list[dict], tools: list) -> list[dict]:
+    """`chat` (dicts) with tools_prompt(tools) at the end of its system message, or in a new one first."""
+    text = tools_prompt(tools)
+    if chat and chat[0]["role"] in ("system", "developer"):
+        return [{**chat[0], "content": f"{chat[0]['content']}\n\n{text}" if chat[0]["content"] else text},
+                *chat[1:]]
+    return [{"role": "system", "content": text}, *chat]
+
+
+def render(tokenizer, messages: list, add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
     """The prompt's token ids for a chat: `messages` (ChatMessages) through the chat template.
 
     add_generation_prompt: end with the assistant turn's header, as a chat request
-    does (False: the chat as it stands, for /tokenize). A template's own refusal
-    (roles in an order it does not take, say) is raised as it came.
+    does (False: the chat as it stands, for /tokenize). tools: protocol.Tools the
+    model may call (None or []: none). A template's own refusal (roles in an
+    order it does not take, say) is raised as it came.
     """
     names_as_text = any(m.name for m in messages) and not knows_names(tokenizer)
     tools_as_text = any(m.tool_calls or m.role == "tool" for m in messages) and not knows_tools(tokenizer)
@@ -167,4 +196,9 @@ def render(tokenizer, messages: list, add_generation_prompt: bool = True) -> lis
         else:
             chat.append({"role": "user", "content": turn["content"]} if is_result else turn)
         after_result = is_result
+    if tools and knows_tool_list(tokenizer):
+        return tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt,
+                                             tools=tool_dicts(tools))
+    if tools:
+        chat = with_tools_in_system(chat, tools)
     return tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)

@@ -276,10 +276,10 @@ BAD_REQUESTS = {
     "top_logprobs without logprobs": ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     "a field the API does not have": ("/v1/completions", {"prompt": [1], "temprature": 0.5}, "temprature"),
     "logit_bias": ("/v1/completions", {"prompt": [1], "logit_bias": {"5": 10}}, "logit_bias"),
-    "tools": ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-              "tools"),
-    "response_format": ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
-                        "response_format"),
+    "a tool that is not a function": ("/v1/chat/completions", {"messages": CHAT, "tools": [
+        {"type": "custom", "custom": {"name": "f"}}]}, "tools"),
+    "a response_format with no grammar": ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "grammar"}}, "response_format"),
 }
 
 

@@ -42,12 +42,17 @@ HONOURED = {
     "presence_penalty": "test_server_logprobs.py (penalties reach the sampler)",
     "frequency_penalty": "test_server_logprobs.py (penalties reach the sampler)",
     "best_of": "refused unless equal to n (this file)",
+    "response_format": "test_server_structured.py (json_object, json_schema; both endpoints)",
+    "tools": "test_server_structured.py (chat)", "tool_choice": "test_server_structured.py (none, auto, required, "
+                                                                 "a named function)",
+    "parallel_tool_calls": "test_server_structured.py (one call per choice, which false asks and true allows)",
 }
 # minicb's own and vLLM's extensions, each honoured (or accepted only at the one value minicb does)
 EXTENSIONS = {"top_k", "min_p", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
-              "return_token_ids", "skip_special_tokens", "include_stop_str_in_output"}
-# Refused when set, until minicb can do them (the next chapter builds the tools and formats)
-REFUSED_WHEN_SET = {"logit_bias", "suffix", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+              "return_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+              "guided_json", "guided_regex", "guided_choice", "structured_outputs"}  # test_server_structured.py
+# Refused when set, until minicb can do them
+REFUSED_WHEN_SET = {"logit_bias", "suffix"}
 
 # A value other than the default for each field minicb's models declare, valid in type, so that a 400
 # means "refused", not "mistyped".

@@ -24,10 +24,12 @@ before it is sent (`bounded`, `aimed_at_the_engine`):
   MAX_TOKENS (the schema allows it, so the request stays valid or invalid as it
   was), and a chat request without one, whose default is "as much as the context
   leaves", gets MAX_TOKENS too. n needs no cap: past the slots it is refused at once.
-- In the fuzzing phase's valid bodies only: no `model` and none of the fields
-  minicb refuses when set (logit_bias, tools, ...), and prompt ids in the vocabulary.
-  A random body almost always sets one of them, and would be refused before the
-  engine sees it; the coverage phase and the invalid bodies still send them all.
+- In the fuzzing phase's valid bodies only: no `model`, none of the fields
+  minicb refuses when set (logit_bias, ...) or that ask for a grammar (tools,
+  response_format, guided_*, ...), and prompt ids in the vocabulary. A random
+  body almost always sets one of them, and would be refused before the engine
+  sees it (a random schema or regex nearly always has something minicb does not
+  build); the coverage phase and the invalid bodies still send them all.
 
 MAX_EXAMPLES bounds the fuzzing phase per operation: 713 requests in all, and
 about 13 s for the whole file on two shared CPU cores. The seed and derandomize
@@ -58,7 +60,8 @@ MAX_TOKENS = 4  # the most tokens a generated request may ask for (see `bounded`
 SEED = 20240501
 VOCAB = 256  # the tiny model's
 REFUSED_WHEN_SET = ("logit_bias", "best_of", "suffix", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                    "skip_special_tokens", "include_stop_str_in_output", "top_logprobs", "stream_options")
+                    "skip_special_tokens", "include_stop_str_in_output", "top_logprobs", "stream_options",
+                    "guided_json", "guided_regex", "guided_choice", "structured_outputs")
 ERROR_TYPES = {"message": str, "type": str, "param": (str, type(None)), "code": (str, int, type(None))}
 # Not positive_data_acceptance: the document states types, not ranges (those are the
 # engine's check_request's to say), so a body the schema allows, temperature -1 say,
