@@ -30,6 +30,8 @@
 #   EVAL_CHECK_TOKENIZER   local (default): lm-eval tokenizes for the server with the saved tokenizer
 #                          files, as for hf; remote: with the server's own /tokenize (lm-eval's
 #                          tokenizer_backend=remote, which reads /tokenizer_info first)
+#   EVAL_CHECK_LINEAR_BACKEND the server's --linear-backend (default mkl, as in step 3; auto or onednn:
+#                          minicb's fastest on this CPU, agreeing with HF to the last bits less often)
 #   EVAL_CHECK_MIN_SPEEDUP fail unless minicb is this many times faster on the multiple-choice
 #                          task (default: empty, the ratio is reported, not enforced)
 set -euo pipefail
@@ -48,6 +50,7 @@ MINICB_BATCH="${EVAL_CHECK_MINICB_BATCH:-16}"
 HF_BATCH="${EVAL_CHECK_HF_BATCH:-8}"
 TOKENIZER_BACKEND="${EVAL_CHECK_TOKENIZER:-local}"
 MIN_SPEEDUP="${EVAL_CHECK_MIN_SPEEDUP:-}"
+LINEAR_BACKEND="${EVAL_CHECK_LINEAR_BACKEND:-mkl}"
 START_TIMEOUT="${EVAL_CHECK_START_TIMEOUT:-300}"  # seconds for the model to load and the server to answer
 # lm-eval's parsing of the samples files (tools/eval_check.py) is written for this release.
 LM_EVAL_SPEC="lm-eval[hf,api]==0.4.13"
@@ -131,9 +134,9 @@ trap 'exit 130' INT TERM
 
 PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 URL="http://127.0.0.1:$PORT"
-say "starting python -m minicb serve --enable-prefix-caching --linear-backend mkl on 127.0.0.1:$PORT (log: $OUT/server.log)"
+say "starting python -m minicb serve --enable-prefix-caching --linear-backend $LINEAR_BACKEND on 127.0.0.1:$PORT (log: $OUT/server.log)"
 setsid "$PY" -m minicb serve --host 127.0.0.1 --port "$PORT" --device cpu --dtype float32 \
-    --served-model-name "$MODEL_NAME" --enable-prefix-caching --linear-backend mkl --shutdown-timeout 5 --log-level warning \
+    --served-model-name "$MODEL_NAME" --enable-prefix-caching --linear-backend "$LINEAR_BACKEND" --shutdown-timeout 5 --log-level warning \
     >"$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 for attempt in $(seq 1 "$START_TIMEOUT"); do
