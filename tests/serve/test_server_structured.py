@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import jsonschema
 import pytest
+from pydantic import BaseModel, Field
 
 from minicb.llm import LLM
 from minicb.serve import chat, tools
@@ -369,18 +370,21 @@ def test_the_tools_reach_the_prompt_through_the_template_or_the_system_message(s
 # ---- the clients ----------------------------------------------------------------------------------------
 
 
+
+class Person(BaseModel):
+    """A person."""  # the clients send a model's docstring as its description
+    name: str = Field(min_length=1, max_length=16)
+    age: int = Field(ge=0, le=120)
+
+
+class GetWeather(BaseModel):
+    """The weather in a city."""
+    city: str = Field(max_length=16)
+
+
 @pytest.mark.slow
 def test_the_openai_client_gets_formats_and_calls(smol):
     import openai  # a dev dependency: missing, the test fails rather than skips
-    from pydantic import BaseModel, Field
-
-    class Person(BaseModel):
-        name: str = Field(min_length=1, max_length=16)
-        age: int = Field(ge=0, le=120)
-
-    class GetWeather(BaseModel):
-        """The weather in a city."""
-        city: str = Field(max_length=16)
 
     client = openai.OpenAI(base_url=smol + "/v1", api_key="unused", max_retries=0, timeout=120)
     # Greedy, so the answers are the same each run; test_formats_... samples at temperature 1.
@@ -406,16 +410,6 @@ def test_the_openai_client_gets_formats_and_calls(smol):
 @pytest.mark.slow
 def test_langchain_gets_structured_output_and_tool_calls(smol):
     from langchain_openai import ChatOpenAI  # a dev dependency, as openai is
-    from pydantic import BaseModel, Field
-
-    class Person(BaseModel):
-        """A person."""
-        name: str = Field(min_length=1, max_length=16)
-        age: int = Field(ge=0, le=120)
-
-    class GetWeather(BaseModel):
-        """The weather in a city."""
-        city: str = Field(max_length=16)
 
     llm = ChatOpenAI(base_url=smol + "/v1", api_key="x", model=NAME, max_tokens=60, temperature=0, max_retries=0,
                      timeout=120)
