@@ -43,11 +43,10 @@ demo: setup
 # (MINICB_BROWSER_CHECK=1 forces them, installing Chromium if it can;
 # MINICB_BROWSER_CHECK=0 skips them).
 BROWSER_CHECK ?= $(or $(MINICB_BROWSER_CHECK),$(if $(wildcard /usr/bin/chromium),1,0))
-# minicb makes OpenMP threads sleep as soon as they wait (OMP_WAIT_POLICY=PASSIVE,
-# minicb/__init__.py), which keeps it fast beside other programs and costs 20-30%
-# on an idle machine. The suite expects a machine of its own, so it lets libgomp
-# spin its usual 300000 rounds first (GOMP_SPINCOUNT outranks the policy); on a
-# busy laptop, `make test GOMP_SPINCOUNT=0`.
+# libgomp's threads spin 300000 rounds between operators before they sleep (its default,
+# written out so that an OMP_WAIT_POLICY in the caller's environment does not change the
+# suite's speed); the engine drops threads on a busy machine by itself (minicb/cpu_threads.py).
+# On a busy laptop, `make test GOMP_SPINCOUNT=0` sleeps at once.
 GOMP_SPINCOUNT ?= 300000
 
 test: setup

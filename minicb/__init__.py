@@ -6,24 +6,20 @@
 
 The chapters map to files as README.md's table shows.
 """
-import os
-import sys
-
 # The course release: what a student's exercise files are written against. pyproject.toml
 # reads the version from here; chapters/CHANGELOG.md has an entry for each release, with
 # its date and the commit it starts from, and `python -m minicb check` names it.
 __version__ = "0.2.0"
 __course_date__ = "2026-12-03"
 
-# OpenMP threads that finish a parallel op spin, waiting for the next, unless told
-# to sleep. Alone on a machine that saves microseconds; beside a browser, Jupyter
-# or another job, the spinning threads take the cores the others need and the
-# step waits for them (docs/results.md, "Threads on a busy machine"). The policy is read
-# once, when torch loads its OpenMP runtime, so it can only be chosen here, before
-# the first `import torch`. A value already in the environment wins, and a program
-# that imported torch before minicb keeps torch's default.
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left to libgomp: a thread that finishes a parallel op spins
+# a while for the next one, which on an idle machine is worth a quarter of a decode
+# step. Beside busy programs the spinning threads would take the cores those need,
+# so the engine runs on the cores they leave free instead (minicb/cpu_threads.py,
+# EngineConfig.cpu_threads): one thread has nothing to spin. minicb used to set
+# OMP_WAIT_POLICY=PASSIVE here, which never spins and cost that quarter everywhere
+# (docs/results.md, "Threads on a busy machine"). A value in the environment is
+# still torch's to read.
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutput", "RequestOutput"]
 

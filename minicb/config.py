@@ -50,6 +50,11 @@ class EngineConfig:
                 "keeps, per shape, MKL below the row count where oneDNN gets faster; mkl or onednn forces one. A "
                 "model without packed layers (a GPU, load_model(packed=False)) runs MKL's or the GPU's",
         "choices": ["auto", "mkl", "onednn"]})
+    cpu_threads: str = field(default="share", metadata={
+        "help": "on a CPU: share (the forward runs on the cores other programs leave free, measured once a "
+                "second: all of them on an idle machine, where OpenMP's threads spin between operators, fewer "
+                "beside busy programs, so no spinning thread takes a core they need; minicb/cpu_threads.py) or "
+                "fixed (torch's thread count as it is, e.g. what --threads set)", "choices": ["share", "fixed"]})
     tile_prefill: bool | None = field(default=None, metadata={
         "help": "attention=triton: prefill with the query-tile kernel (minicb/tile_attention.py) instead of chapter "
                 "05's; none (neither flag): when the kernels are compiled (under the Triton interpreter chapter "
@@ -119,7 +124,7 @@ class EngineConfig:
         whole("keep_traces", self.keep_traces, low=0, none_ok=True)
         whole("speculative_ngram", self.speculative_ngram, none_ok=True)
         whole("num_speculative_tokens", self.num_speculative_tokens)
-        for name in ("attention", "cpu_decode", "linear_backend", "structured_backend"):
+        for name in ("attention", "cpu_decode", "linear_backend", "cpu_threads", "structured_backend"):
             allowed = next(f for f in fields(self) if f.name == name).metadata["choices"]
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")

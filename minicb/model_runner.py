@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minicb.cpu_threads import FixedThreads
 from minicb.model import Model
 from minicb.paged_attention import KVPool
 from minicb.paged_model import AttentionMetadata, PagedAttention
@@ -97,12 +98,16 @@ def prepare(out, allocator) -> StepBatch:
 class ModelRunner:
     """Runs a StepBatch through the model over the paged pool, eagerly: one forward a step."""
 
-    def __init__(self, model: Model, pool: KVPool, attention):
-        # attention: the engine's backend (minicb/attention_backends.py), the same object every step
+    def __init__(self, model: Model, pool: KVPool, attention, threads=None):
+        # attention: the engine's backend (minicb/attention_backends.py), the same object every step.
+        # threads: how many CPU threads the forward runs on (minicb/cpu_threads.py): SharedCores follows
+        # the machine's load, FixedThreads (None) leaves torch's setting alone.
         self.model, self.pool, self.attention = model, pool, attention
+        self.threads = threads or FixedThreads()
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
         """-> logits [num_seqs, vocab]: each row's last new token's (every token of a verifying decode's)."""
+        self.threads.adjust()  # between steps, on the thread that runs them: once a second at most it measures
         for src, dst in batch.block_copies:  # copy-on-write of shared blocks, before anything writes
             self.pool.copy_block(src, dst)
         return self.forward(batch)

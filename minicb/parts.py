@@ -169,8 +169,9 @@ class EngineParts:
         pool = KVPool(cfg.num_layers, num_blocks + (1 if mode else 0), ec.block_size, cfg.num_kv_heads,
                       cfg.head_dim, model.dtype, model.device, hidden_size=cfg.hidden_size)
         if mode is None:
+            from minicb.cpu_threads import thread_policy
             from minicb.model_runner import ModelRunner
-            return pool, ModelRunner(model, pool, attention)
+            return pool, ModelRunner(model, pool, attention, thread_policy(ec.cpu_threads, model.device))
         return pool, graphing.DecodeGraphs(model, pool, attention, ec.max_num_seqs, scratch_block=num_blocks,
                                            capture=mode == "graphs")
 

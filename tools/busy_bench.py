@@ -1,6 +1,6 @@
 """Throughput on a busy machine: the same bench alone and beside busy-loop processes.
 
-    .venv/bin/python tools/busy_bench.py          # 2 busy loops; OMP_WAIT_POLICY=PASSIVE vs libgomp's default
+    .venv/bin/python tools/busy_bench.py          # 2 busy loops; minicb's default, fixed threads, PASSIVE
     .venv/bin/python tools/busy_bench.py --busy 1 --settings "GOMP_SPINCOUNT=10000" -- --slots 8
     .venv/bin/python tools/busy_bench.py --rounds 3 --settings "OMP_WAIT_POLICY=PASSIVE" "GOMP_SPINCOUNT=3000"
 
@@ -14,7 +14,10 @@ then each setting's median: what share of its idle throughput the busy run
 kept, and its idle throughput against the best setting's.
 
 Each setting is environment variables for the bench process, space-separated
-NAME=VALUE pairs. OMP_WAIT_POLICY=PASSIVE lets an OpenMP thread that waits for
+NAME=VALUE pairs, and flags of the bench for that setting alone
+(`"OMP_WAIT_POLICY= --cpu-threads fixed"`: the engine keeps its threads
+whatever the load, where minicb's default, `--cpu-threads share`, runs on the
+cores the busy loops leave). OMP_WAIT_POLICY=PASSIVE lets an OpenMP thread that waits for
 work sleep at once; an empty OMP_WAIT_POLICY, which libgomp ignores, keeps
 libgomp's own rule (spin up to GOMP_SPINCOUNT times, then sleep); ACTIVE spins.
 """
@@ -33,11 +36,15 @@ DEFAULT_BENCH = ["--workload", "chat", "--num-prompts", "16", "--max-tokens", "6
 
 
 def bench_tok_s(bench_args: list[str], setting: str) -> float:
-    """One bench process with the setting's variables; the first engine's output tokens/s."""
-    env = dict(os.environ, **dict(pair.split("=", 1) for pair in setting.split()))
+    """One bench process with the setting's variables and flags; the first engine's output tokens/s."""
+    words = setting.split()
+    flags = [w for w in words if w.startswith("--")]  # e.g. --cpu-threads fixed: for the bench
+    flags += [w for i, w in enumerate(words) if i and words[i - 1].startswith("--") and "=" not in w]
+    env = dict(os.environ, **dict(w.split("=", 1) for w in words if w not in flags))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bench.json")
-        subprocess.run([sys.executable, "-m", "minicb", "bench", *bench_args, "--out", out], env=env, check=True,
+        subprocess.run([sys.executable, "-m", "minicb", "bench", *bench_args, *flags, "--out", out], env=env,
+                       check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         result = json.load(open(out))
     workload = next(iter(result["workloads"].values()))
@@ -47,7 +54,9 @@ def bench_tok_s(bench_args: list[str], setting: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--busy", type=int, default=2, help="busy-loop processes beside the busy runs")
-    ap.add_argument("--settings", nargs="+", default=["OMP_WAIT_POLICY=PASSIVE", "OMP_WAIT_POLICY="],
+    ap.add_argument("--settings", nargs="+",
+                    default=["OMP_WAIT_POLICY=", "OMP_WAIT_POLICY= --cpu-threads fixed",
+                             "OMP_WAIT_POLICY=PASSIVE --cpu-threads fixed"],
                     help="environments to compare, each space-separated NAME=VALUE pairs")
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds; each runs every setting alone then busy, in turn, and a row is the median round")

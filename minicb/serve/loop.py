@@ -277,9 +277,9 @@ class EngineLoop:
         it. The warm-up runs on the engine thread, like every step after it: torch's
         OpenMP runtime (libgomp) keeps a pool of worker threads for each thread that runs
         operators, and once the pools hold more threads than the machine has cores it
-        stops spinning between operators. With spinning on (GOMP_SPINCOUNT; minicb's
-        default OMP_WAIT_POLICY=PASSIVE never spins) a decode step ran 20-30% slower on
-        a second thread than on the first one here, until only one thread ran operators.
+        stops spinning between operators. With spinning on (libgomp's default) a decode
+        step ran 20-30% slower on a second thread than on the first one here, until
+        only one thread ran operators.
         """
         self._loop = loop
         ready = threading.Event()

@@ -148,7 +148,8 @@ def workloads(draw):
                   max_num_batched_tokens=draw(st.sampled_from([1, 2, 3]) | st.integers(1, 12) | st.integers(1, 64)
                                               if chunked else st.sampled_from([8, 64, 4096])),
                   cuda_graphs=draw(st.booleans()) or None, watermark=draw(st.sampled_from([0.0, 0.01, 0.2])),
-                  cpu_decode=draw(st.sampled_from(["compiled", "gather"])), jump_forward=False)
+                  cpu_decode=draw(st.sampled_from(["compiled", "gather"])), jump_forward=False,
+                  cpu_threads=draw(st.sampled_from(["share", "fixed"])))
     # Speculation needs room for its newest token and at least one draft in the budget.
     if draw(st.integers(0, 2)) and config["max_num_batched_tokens"] >= 2:  # on in 2 of 3
         config["speculative_ngram"] = draw(st.integers(1, 3))
