@@ -34,7 +34,10 @@ thread means no spinning at all; when the others stop, the free cores come
 back and so do the threads. Alone nothing changes. The engine's runner calls
 `adjust()` before each forward (minicb/model_runner.py); `EngineConfig.cpu_threads`
 says "share" (the default on a Linux CPU) or "fixed" (leave torch's setting,
-and what `--threads` chose, alone). Measured: docs/results.md, "Threads on a
+and what `--threads` chose, alone). The reading is the machine's as Linux shows
+it to this process: in a container whose /proc/stat shows the host's CPUs and
+whose share is set by a quota rather than by the CPUs it may run on, other
+tenants' work counts too, and "fixed" is the better choice. Measured: docs/results.md, "Threads on a
 busy machine"; tests in tests/engine/test_cpu_threads.py.
 """
 from __future__ import annotations
@@ -55,8 +58,8 @@ def busy_cpu_seconds(cpus: frozenset[int], path: str = PROC_STAT) -> float:
     ticks = 0
     with open(path) as stat:
         for line in stat:
-            name, *values = line.split()
-            if name.startswith("cpu") and name != "cpu" and int(name[3:]) in cpus:
+            name, *values = line.split() or [""]
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
                 ticks += sum(int(values[i]) for i in WORK_COLUMNS if i < len(values))
     return ticks / os.sysconf("SC_CLK_TCK")
 
