@@ -102,8 +102,23 @@ def set_num_threads(n: int) -> None:
 
     Numba keeps a thread pool of its own, so torch.set_num_threads alone leaves this
     kernel on every core. On a CPU shared with other jobs one thread each is often
-    faster: a parallel loop waits for its slowest thread.
+    faster: a parallel loop waits for its slowest thread. The count is also the most
+    an engine's threads may use when they follow the machine's load (chosen_threads,
+    minicb/cpu_threads.py).
     """
+    global _chosen_threads
+    apply_num_threads(n)
+    _chosen_threads = n
+
+
+def chosen_threads() -> int | None:
+    """The count the last set_num_threads chose (None: never called)."""
+    return _chosen_threads
+
+
+def apply_num_threads(n: int) -> None:
+    """set_num_threads's work, without making n the chosen count: what minicb/cpu_threads.py
+    calls to follow the machine's load."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"threads={n!r}; give a whole number >= 1")
     # Numba first: starting its thread pool can start an OpenMP runtime, and with it
@@ -123,6 +138,7 @@ def set_num_threads(n: int) -> None:
 # server's engine thread) would run the kernel on every core. So the count chosen here
 # is kept, and the kernel's caller sets it on its own thread first (None: never chosen).
 _numba_threads: int | None = None
+_chosen_threads: int | None = None  # set_num_threads's n, the ceiling of minicb/cpu_threads.py
 
 
 def applies_to(device: torch.device, dtype: torch.dtype) -> bool:

@@ -82,7 +82,7 @@ class SharedCores:
     most: the threads the engine started with (torch's count then), never exceeded.
     The readings and the setter are arguments so that a test can play a machine's
     load (tests/engine/test_cpu_threads.py); by default they are /proc/stat,
-    time.process_time, time.monotonic and minicb.cpu_attention.set_num_threads
+    time.process_time, time.monotonic and minicb.cpu_attention.apply_num_threads
     (torch's threads and the compiled decode kernel's).
     """
 
@@ -93,7 +93,7 @@ class SharedCores:
         # threads: the count now (most, if None); an engine built after another left it lower is
         # brought back up by the first adjust() that finds the cores free.
         if set_threads is None:
-            from minicb.cpu_attention import set_num_threads as set_threads
+            from minicb.cpu_attention import apply_num_threads as set_threads
         self.most, self.cores, self.interval_s = most, len(cpus), interval_s
         self.machine_busy = machine_busy or (lambda: busy_cpu_seconds(cpus))
         self.own_busy, self.clock, self.set_threads = own_busy, clock, set_threads
@@ -119,11 +119,17 @@ class SharedCores:
             self.changes.append((self.since, others, threads))
 
 
-@functools.lru_cache(maxsize=1)
 def starting_threads() -> int:
-    """torch's thread count the first time an engine asked: torch's own default, or what --threads set
-    before (cpu_attention.set_num_threads). Remembered, so that an engine built after another had
-    lowered the count for a busy machine still has every core to come back to."""
+    """The most threads an engine may use: what --threads chose (cpu_attention.set_num_threads), else
+    torch's count the first time an engine asked, remembered, so that an engine built after another
+    had lowered the count for a busy machine still has every core to come back to."""
+    from minicb.cpu_attention import chosen_threads
+
+    return chosen_threads() or _torch_threads_at_first_engine()
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_threads_at_first_engine() -> int:
     import torch
 
     return torch.get_num_threads()

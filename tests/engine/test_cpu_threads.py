@@ -98,6 +98,20 @@ def test_the_setting_picks_the_policy():
     assert isinstance(shared, SharedCores) and shared.most == starting_threads()
 
 
+def test_the_most_is_what_threads_chose(monkeypatch):
+    import minicb.cpu_attention as cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "_chosen_threads", 3)  # as after --threads 3
+    assert thread_policy("share", "cpu").most == 3
+    monkeypatch.setattr(cpu_attention, "_chosen_threads", None)  # never chosen: torch's count at the first engine
+    first, before = thread_policy("share", "cpu").most, torch.get_num_threads()
+    cpu_attention.apply_num_threads(1)  # as an engine on a busy machine leaves it
+    try:
+        assert thread_policy("share", "cpu").most == first, "a later engine lost the cores an earlier one let go"
+    finally:
+        cpu_attention.apply_num_threads(before)
+
+
 def test_an_engine_after_a_busy_one_gets_its_cores_back():
     machine = Machine()
     shared = SharedCores(2, frozenset({0, 1}), 1.0, machine_busy=lambda: machine.machine, own_busy=lambda: machine.own,
@@ -111,7 +125,7 @@ def test_an_engine_after_a_busy_one_gets_its_cores_back():
 
 def test_changing_threads_between_steps_changes_no_token():
     """A real engine whose thread count flips between 1 and 2 every step gives the fixed engine's tokens."""
-    from minicb.cpu_attention import set_num_threads
+    from minicb.cpu_attention import apply_num_threads
 
     model = random_model(seed=3)  # the tiny random model
     prompts = [[1 + (7 * i + j) % 200 for j in range(5 + 3 * i)] for i in range(6)]
@@ -131,7 +145,7 @@ def test_changing_threads_between_steps_changes_no_token():
     machine, flips = Machine(), iter(range(10**6))
     shared = SharedCores(2, frozenset({0, 1}), interval_s=0.0, clock=lambda: machine.now,
                          machine_busy=lambda: machine.machine, own_busy=lambda: machine.own,
-                         set_threads=set_num_threads)
+                         set_threads=apply_num_threads)
     engine.runner.threads = shared
 
     def busy_every_other_step():
@@ -142,5 +156,5 @@ def test_changing_threads_between_steps_changes_no_token():
     try:
         assert tokens(engine) == fixed, "a thread count changed between steps changed the tokens"
     finally:
-        set_num_threads(before)
+        apply_num_threads(before)
     assert len(shared.changes) >= 4, f"the test meant to change the threads often; it changed {shared.changes}"
