@@ -53,8 +53,9 @@ class EngineConfig:
     cpu_threads: str = field(default="share", metadata={
         "help": "on a CPU: share (the forward runs on the cores other programs leave free, measured once a "
                 "second: all of them on an idle machine, where OpenMP's threads spin between operators, fewer "
-                "beside busy programs, so no spinning thread takes a core they need; minicb/cpu_threads.py) or "
-                "fixed (torch's thread count as it is, e.g. what --threads set)", "choices": ["share", "fixed"]})
+                "beside busy programs, so no spinning thread takes a core they need; never more than --threads, where "
+                "a command has it and it was given; minicb/cpu_threads.py) or fixed (torch's thread count as it is)",
+        "choices": ["share", "fixed"]})
     tile_prefill: bool | None = field(default=None, metadata={
         "help": "attention=triton: prefill with the query-tile kernel (minicb/tile_attention.py) instead of chapter "
                 "05's; none (neither flag): when the kernels are compiled (under the Triton interpreter chapter "
