@@ -38,9 +38,11 @@ DEFAULT_BENCH = ["--workload", "chat", "--num-prompts", "16", "--max-tokens", "6
 def bench_tok_s(bench_args: list[str], setting: str) -> float:
     """One bench process with the setting's variables and flags; the first engine's output tokens/s."""
     words = setting.split()
-    flags = [w for w in words if w.startswith("--")]  # e.g. --cpu-threads fixed: for the bench
-    flags += [w for i, w in enumerate(words) if i and words[i - 1].startswith("--") and "=" not in w]
-    env = dict(os.environ, **dict(w.split("=", 1) for w in words if w not in flags))
+    # A flag, and the value after it, go to the bench (e.g. --cpu-threads fixed); NAME=VALUE to the environment.
+    is_flag = [w.startswith("--") or (i > 0 and words[i - 1].startswith("--") and "=" not in w)
+               for i, w in enumerate(words)]
+    flags = [w for w, flag in zip(words, is_flag) if flag]
+    env = dict(os.environ, **dict(w.split("=", 1) for w, flag in zip(words, is_flag) if not flag))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bench.json")
         subprocess.run([sys.executable, "-m", "minicb", "bench", *bench_args, *flags, "--out", out], env=env,
