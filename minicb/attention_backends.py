@@ -70,10 +70,11 @@ class TorchAttention:
 
 
 class CpuDecodeAttention(TorchAttention):
-    """Chapter 04's backend with its decode compiled for the CPU (minicb/cpu_attention.py, fp32).
+    """Chapter 04's backend with its decode and store_kv compiled for the CPU (minicb/cpu_attention.py, fp32).
 
     The same online softmax, but reading each block where it lies instead of
-    gathering a copy of every sequence's K/V first.
+    gathering a copy of every sequence's K/V first; and the same writes, in one
+    call a layer instead of six.
     """
 
     def __init__(self, kernels: ModuleType, cpu_kernels: ModuleType):
@@ -82,6 +83,9 @@ class CpuDecodeAttention(TorchAttention):
 
     def plan_decode(self, block_tables, context_lens, max_context_len: int, block_size: int):
         return block_tables, context_lens  # the kernel walks the tables itself
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        self.cpu_kernels.store_kv_unchecked(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, plan) -> torch.Tensor:
         return self.cpu_kernels.paged_decode_attention_unchecked(q, k_cache, v_cache, *plan)

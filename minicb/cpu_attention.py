@@ -97,6 +97,26 @@ def _compiled_kernel():
     return decode_kernel
 
 
+@functools.cache
+def _compiled_store():
+    """store_kv's loop, compiled: one call where PyTorch makes six (a division, a remainder,
+    two index casts, two scattered writes), in every layer of every step."""
+    from numba import njit
+
+    @njit(fastmath=True, cache=True)
+    def store_kv_kernel(k, v, k_cache, v_cache, slot_mapping):
+        num_tokens, n_kv_heads, head_dim = k.shape
+        block_size = k_cache.shape[1]
+        for token in range(num_tokens):
+            block, offset = slot_mapping[token] // block_size, slot_mapping[token] % block_size
+            for head in range(n_kv_heads):
+                for d in range(head_dim):
+                    k_cache[block, offset, head, d] = k[token, head, d]
+                    v_cache[block, offset, head, d] = v[token, head, d]
+
+    return store_kv_kernel
+
+
 def set_num_threads(n: int) -> None:
     """Run torch's CPU ops and this kernel on n threads (the --threads flag of bench and serve).
 
@@ -163,6 +183,12 @@ def paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables, context_
     _compiled_kernel()(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(), context_lens.numpy(),
                        np.float32(scale), out.numpy())
     return out
+
+
+def store_kv_unchecked(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Chapter 04's store_kv_unchecked, compiled: k, v [N, n_kv_heads, hd] into the caches
+    [num_blocks, block_size, n_kv_heads, hd] at slot_mapping [N] (every slot in the pool, none padding)."""
+    _compiled_store()(k.numpy(), v.numpy(), k_cache.numpy(), v_cache.numpy(), slot_mapping.numpy())
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None):

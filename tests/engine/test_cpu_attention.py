@@ -49,6 +49,22 @@ def test_matches_chapter04s_gather(context_lens, n_q_heads, n_kv_heads, head_dim
     assert (scaled - paged_decode_attention_gather(*args, scale=0.5)).abs().max() < 1e-5, "a custom scale is ignored"
 
 
+def test_compiled_store_matches_chapter04s():
+    # The compiled store_kv writes the same slots as chapter 04's, and nothing else.
+    from minicb.paged_attention import store_kv_unchecked
+
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(7, 3, 16, generator=gen), torch.randn(7, 3, 16, generator=gen)
+    slots = torch.tensor([0, 5, 6, 17, 30, 31, 12])  # scattered, across block edges (block_size 4)
+    caches = {name: (torch.randn(8, 4, 3, 16, generator=gen), torch.randn(8, 4, 3, 16, generator=gen))
+              for name in ("compiled", "chapter 04")}
+    caches["chapter 04"] = tuple(c.clone() for c in caches["compiled"])
+    cpu_attention.store_kv_unchecked(k, v, *caches["compiled"], slots)
+    store_kv_unchecked(k, v, *caches["chapter 04"], slots)
+    for got, want, name in zip(caches["compiled"], caches["chapter 04"], ("k_cache", "v_cache")):
+        assert torch.equal(got, want), f"{name} differs in {int((got != want).any(-1).any(-1).sum())} slot row(s)"
+
+
 def test_bad_input_is_refused_with_a_reason():
     q, k_cache, v_cache, tables, lens = scattered_pool([5, 9], 4, 2, 8, 4)
     with pytest.raises(ValueError, match="float32"):
