@@ -396,7 +396,11 @@ class Engine:
             histories += [(seq.prompt_token_ids, seq.output_token_ids)] * len(completions)  # lists, not copies
             counts.append(len(completions))
             row += 1
-        picked = logits[rows]  # [len(rows), V]
+        # [len(rows), V]: a copy, which a grammar's mask may write. Unguided rows sampled once each, in
+        # order (all decoding, none forking), read the logits themselves: the copy of 32 x 49,152 floats
+        # took 1.5 ms of a step, and sampling writes nothing (apply_rules copies before it changes a row).
+        unchanged = not guided and rows == list(range(logits.shape[0]))
+        picked = logits if unchanged else logits[rows]
         if guided:  # one mask over all rows (a free row allows everything), applied in one pass
             allowed = torch.ones(picked.shape, dtype=torch.bool, device=picked.device)
             for first, (guide, count) in guided.items():  # n > 1: a forking request's n rows share one state
