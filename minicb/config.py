@@ -44,6 +44,10 @@ class EngineConfig:
         "help": "how attention=torch decodes on a CPU in fp32: compiled (minicb/cpu_attention.py, Numba, reading "
                 "the blocks in place; chapter 04's gather when Numba is missing) or gather (chapter 04's code as a "
                 "GPU runs it)", "choices": ["compiled", "gather"]})
+    cpu_ops: str = field(default="compiled", metadata={
+        "help": "a CPU float32 model's RMSNorms and rotary embeddings: compiled (minicb/cpu_ops.py, Numba, one "
+                "pass each instead of five to ten PyTorch operators) or torch (chapter 00's code); a GPU, another "
+                "dtype or a machine without Numba runs torch's", "choices": ["compiled", "torch"]})
     linear_backend: str = field(default="auto", metadata={
         "help": "the CPU's matmul library for oneDNN-packed linear layers (minicb/linear_backend.py): auto times "
                 "MKL and oneDNN on the model's shapes at 1, 4 and max_num_seqs rows when the engine is built and "
@@ -125,7 +129,7 @@ class EngineConfig:
         whole("keep_traces", self.keep_traces, low=0, none_ok=True)
         whole("speculative_ngram", self.speculative_ngram, none_ok=True)
         whole("num_speculative_tokens", self.num_speculative_tokens)
-        for name in ("attention", "cpu_decode", "linear_backend", "cpu_threads", "structured_backend"):
+        for name in ("attention", "cpu_decode", "cpu_ops", "linear_backend", "cpu_threads", "structured_backend"):
             allowed = next(f for f in fields(self) if f.name == name).metadata["choices"]
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")

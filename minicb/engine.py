@@ -50,6 +50,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from minicb.config import EngineConfig  # the settings (minicb/config.py); importable from here too
+from minicb.cpu_ops import use_cpu_ops
 from minicb.linear_backend import use_linear_backend
 from minicb.logprobs import PromptScoreCache, PromptToScore, TokenLogprob, prompt_logprobs, token_logprobs
 from minicb.model import Model
@@ -134,6 +135,8 @@ class Engine:
         # The matmul library of each packed linear layer, by row count: measured for "auto" (minicb/linear_backend.py).
         self.linear_choice = use_linear_backend(model, self.config.linear_backend,
                                                 rows=sorted({1, 4, self.config.max_num_seqs}))
+        # A CPU model's norms and rotary: compiled kernels or chapter 00's PyTorch (minicb/cpu_ops.py).
+        self.cpu_ops = use_cpu_ops(model, self.config.cpu_ops)
         self.num_blocks = self.parts.num_blocks(model)
         self.seq_ids = itertools.count()  # every sequence's id (a request is named by its first), never reused
         self.attention = self.parts.attention(model)  # minicb/attention_backends.py

@@ -97,6 +97,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class Rotary(nn.Module):
+    """Rotary embeddings of q and k: a module with no weights, so that minicb/cpu_ops.py can
+    swap in a compiled one that does both in one pass (the same for RMSNorm)."""
+
+    def forward(self, q, k, cos, sin):
+        # q [B, T, n_heads, hd], k [B, T, n_kv_heads, hd], cos/sin [B, T, 1, hd] -> q, k rotated
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -106,13 +115,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.rotary = Rotary()
 
     def forward(self, x, cos, sin, attention):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotary(q, k, cos, sin)
         # Here is the seam every chapter plugs into: store k/v wherever the cache
         # lives and attend over everything this token may see.
         out = attention(self.layer, q, k, v)  # [B, T, n_heads, hd]

@@ -13,8 +13,10 @@ of a step is anything but matmul.
 
 Both are taken for the model as `load_model()` gives it (linear layers from
 oneDNN-packed weights, minicb/packed_linear.py) and for the same weights in
-plain `nn.Linear` (torch's default BLAS, MKL), all four in turns in one process
-so that load from other programs falls on each alike. Each figure is a median.
+plain `nn.Linear` (torch's default BLAS, MKL); the step also with each setting
+of `--cpu-ops` (the compiled norms and rotary of minicb/cpu_ops.py, or chapter
+00's PyTorch). All in turns in one process, so that load from other programs
+falls on each alike. Each figure is a median.
 """
 from __future__ import annotations
 
@@ -26,16 +28,21 @@ import torch
 from torch.profiler import profile
 
 from minicb.cpu_attention import set_num_threads
+from minicb.cpu_ops import SETTINGS, use_cpu_ops
 from minicb.engine import Engine, EngineConfig
 from minicb.sampling import SamplingParams
 from minicb.weights import load_model
 
 
-def median_ms_in_turns(fns, rounds: int) -> list[float]:
-    """Run the functions in turns, `rounds` times each; the median milliseconds of each."""
+def median_ms_in_turns(fns, rounds: int, setups=None) -> list[float]:
+    """Run the functions in turns, `rounds` times each; the median milliseconds of each.
+    setups[i], when given, runs untimed before each call of fns[i]."""
     times = [[] for _ in fns]
+    setups = setups or [None] * len(fns)
     for _ in range(rounds):
-        for fn, ms in zip(fns, times):
+        for fn, setup, ms in zip(fns, setups, times):
+            if setup is not None:
+                setup()
             start = time.perf_counter()
             fn()
             ms.append((time.perf_counter() - start) * 1e3)
@@ -60,10 +67,10 @@ def floor_fn(model, rows: int):
     return floor
 
 
-def decoding_engine(model, slots: int, context: int, steps: int) -> Engine:
+def decoding_engine(model, slots: int, context: int, steps: int, cpu_ops: str = "compiled") -> Engine:
     """An engine with `slots` requests past their prefill, each with room for `steps` more decodes."""
     gen = torch.Generator().manual_seed(0)
-    engine = Engine(model, EngineConfig(max_num_seqs=slots))
+    engine = Engine(model, EngineConfig(max_num_seqs=slots, cpu_ops=cpu_ops))
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     vocab = model.config.vocab_size
     for i in range(slots):  # random ids past the first ones, which real vocabularies keep for special tokens
@@ -80,35 +87,42 @@ def main() -> None:
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32], help="requests decoding together")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch (and Numba) threads")
     ap.add_argument("--context", type=int, default=150, help="shortest prompt; others are up to 30 tokens longer")
-    ap.add_argument("--rounds", type=int, default=10, help="timed runs of each of the four, in turns")
+    ap.add_argument("--cpu-ops", nargs="+", default=list(SETTINGS), choices=SETTINGS,
+                    help="the steps' norms and rotary: compiled (minicb/cpu_ops.py), torch (chapter 00's), or both")
+    ap.add_argument("--rounds", type=int, default=10, help="timed runs of each step and floor, in turns")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of a step")
     ap.add_argument("--rows", type=int, default=12, help="profiler rows to print")
     args = ap.parse_args()
 
     models = {"oneDNN packed": load_model(), "nn.Linear (MKL)": load_model(packed=False)}
     print(f"decode step vs its matmul floor; median of {args.rounds} runs each, in turns\n")
-    print("| threads | slots | weights | step ms | floor ms | step / floor | step tok/s |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    print("| threads | slots | weights | norms, rotary | step ms | floor ms | step / floor | step tok/s |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|")
     profiled = None
     for threads in args.threads:
         set_num_threads(threads)
         for slots in args.slots:
-            engines = {k: decoding_engine(m, slots, args.context, args.rounds + 2) for k, m in models.items()}
-            fns = []
-            for k in models:
-                fns += [engines[k].step, floor_fn(models[k], slots)]
-            ms = median_ms_in_turns(fns, args.rounds)
-            for i, k in enumerate(models):
-                step, floor = ms[2 * i], ms[2 * i + 1]
-                print(f"| {threads} | {slots} | {k} | {step:.1f} | {floor:.1f} | {step / floor:.2f} | "
-                      f"{slots / step * 1e3:.0f} |", flush=True)
-            profiled = (threads, slots, engines["oneDNN packed"])
+            # One engine per (weights, cpu_ops); the setting is the model's, so it is set again
+            # (untimed) before each of its engine's steps. Each floor once per weights.
+            runs = [(k, ops) for k in models for ops in args.cpu_ops]
+            engines = {(k, ops): decoding_engine(models[k], slots, args.context, args.rounds + 2, ops)
+                       for k, ops in runs}
+            fns = [engines[run].step for run in runs] + [floor_fn(models[k], slots) for k in models]
+            setups = [lambda m=models[k], ops=ops: use_cpu_ops(m, ops) for k, ops in runs] + [None] * len(models)
+            ms = median_ms_in_turns(fns, args.rounds, setups)
+            floors = dict(zip(models, ms[len(runs):]))
+            for (k, ops), step in zip(runs, ms):
+                print(f"| {threads} | {slots} | {k} | {ops} | {step:.1f} | {floors[k]:.1f} | {step / floors[k]:.2f} "
+                      f"| {slots / step * 1e3:.0f} |", flush=True)
+            profiled = (threads, slots, engines[("oneDNN packed", args.cpu_ops[0])], args.cpu_ops[0])
     if args.profile and profiled is not None:
-        threads, slots, engine = profiled
+        threads, slots, engine, ops = profiled
+        use_cpu_ops(engine.model, ops)
         with profile() as prof:
             for _ in range(2):
                 engine.step()
-        print(f"\ntop operators of engine.step(), oneDNN packed, {slots} slots, {threads} thread(s), 2 steps")
+        print(f"\ntop operators of engine.step(), oneDNN packed, {ops} norms and rotary, {slots} slots, "
+              f"{threads} thread(s), 2 steps")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 

@@ -651,7 +651,7 @@ async def health(server: Server):
     # The pool as the engine thread last published it: this thread never reads the engine.
     stats = loop.snapshot
     return {"status": "ok", "device": server.device, "linear_backend": server.engine.linear_choice.describe(),
-            "step_failures": loop.num_step_failures,
+            "cpu_ops": server.engine.cpu_ops, "step_failures": loop.num_step_failures,
             "last_step_failure": loop.last_step_failure,
             "kv_blocks_free": stats.num_free_blocks, "kv_blocks": stats.num_blocks}
 

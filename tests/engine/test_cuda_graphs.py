@@ -90,8 +90,10 @@ def test_operator_calls_counts_the_outermost_calls_only():
 
 def decoding_engine(attention: str, device="cpu", prompt_lens=(3, 9, 14), max_num_seqs=8):
     """An engine with the runner on, whose requests are past their prefill: its next step is decode-only."""
+    # cpu_ops="torch": on the CPU, the forward a GPU runs (the compiled CPU norms hand Numba numpy views).
     engine = Engine(random_model(seed=3).to(device), EngineConfig(max_num_seqs=max_num_seqs, attention=attention,
-                                                                 block_size=4, num_blocks=40, cuda_graphs=True))
+                                                                 block_size=4, num_blocks=40, cuda_graphs=True,
+                                                                 cpu_ops="torch"))
     for i, n in enumerate(prompt_lens):
         engine.add_request([(11 * i + 5 * t) % 250 + 3 for t in range(n)], SamplingParams(max_tokens=6))
     engine.step()  # the prefills, eagerly

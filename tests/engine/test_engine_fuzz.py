@@ -149,6 +149,7 @@ def workloads(draw):
                                               if chunked else st.sampled_from([8, 64, 4096])),
                   cuda_graphs=draw(st.booleans()) or None, watermark=draw(st.sampled_from([0.0, 0.01, 0.2])),
                   cpu_decode=draw(st.sampled_from(["compiled", "gather"])), jump_forward=False,
+                  cpu_ops=draw(st.sampled_from(["compiled", "torch"])),
                   cpu_threads=draw(st.sampled_from(["share", "fixed"])))
     # Speculation needs room for its newest token and at least one draft in the budget.
     if draw(st.integers(0, 2)) and config["max_num_batched_tokens"] >= 2:  # on in 2 of 3
@@ -292,7 +293,7 @@ def test_the_fuzzer_reaches_every_feature():
     # The strategy must actually draw what the docstring promises, or the test above
     # proves less than it says. Draw 300 workloads with the same seed and count.
     seen = {"caching": 0, "chunked": 0, "budget 1": 0, "runner": 0, "speculation": 0, "n > 1": 0, "seeded": 0,
-            "abort": 0, "repeat": 0, "tight pool": 0, "gather decode": 0, "min_tokens with stop tokens": 0,
+            "abort": 0, "repeat": 0, "tight pool": 0, "gather decode": 0, "torch norms": 0, "min_tokens with stop tokens": 0,
             "repetition penalty": 0, "presence/frequency penalty": 0, "min_p sampled": 0,
             "rules with speculation": 0, "logprobs": 0, "prompt logprobs with caching": 0,
             "structured": 0, "structured with jump-forward": 0, "structured with speculation": 0,
@@ -313,6 +314,7 @@ def test_the_fuzzer_reaches_every_feature():
         seen["budget 1"] += config["enable_chunked_prefill"] and config["max_num_batched_tokens"] == 1
         seen["runner"] += config["cuda_graphs"] is True
         seen["gather decode"] += config["cpu_decode"] == "gather"
+        seen["torch norms"] += config["cpu_ops"] == "torch"
         seen["speculation"] += "speculative_ngram" in config
         seen["n > 1"] += any(p.n > 1 for _, _, p, _ in requests)
         seen["seeded"] += any(p.seed is not None for _, _, p, _ in requests)

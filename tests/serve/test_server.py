@@ -411,7 +411,7 @@ def test_models_health_metrics_and_dashboard_feed():
         from minicb.bench.machine import cpu_model
         assert health == {"status": "ok", "device": f"cpu ({cpu_model()})", "step_failures": 0,
                           "linear_backend": "auto: no packed layers, so every matmul is MKL's (or the GPU's)",
-                          "last_step_failure": None, "kv_blocks_free": health["kv_blocks"],
+                          "cpu_ops": "compiled", "last_step_failure": None, "kv_blocks_free": health["kv_blocks"],
                           "kv_blocks": health["kv_blocks"]}, health
         models = client.get("/v1/models").json()
         assert models["object"] == "list" and [m["id"] for m in models["data"]] == [TINY]

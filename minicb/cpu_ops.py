@@ -1,0 +1,186 @@
+"""The small operations between the matmuls, compiled for the CPU: RMSNorm and rotary embeddings.
+
+In this file you will learn why a decode step on a CPU spends more time on its
+cheapest arithmetic than the arithmetic costs, and how compiling it helps.
+
+Chapter 00 writes RMSNorm and rotary embeddings as PyTorch expressions: an
+RMSNorm is a square, a mean, an add, a reciprocal square root and two
+multiplies; rotating q and k is a concatenation, a negation, two multiplies and
+an add, each twice. Every one of those is an operator call, and every call
+costs a few microseconds of Python and dispatch, and one trip through memory
+for its result, whatever the size of its tensor. At 32 decoding sequences the
+tensors are tiny (32 x 576 floats), so the calls are the cost: removing the
+norms from a SmolLM2 step saved 4.6 ms, removing rotary 3.1 ms, of a 92 ms
+step whose matmuls take 58 (docs/results.md, "The step between its matmuls").
+
+The kernels below do each in one pass, a loop over rows compiled by Numba, as
+minicb/cpu_attention.py does for decode attention:
+
+    rms_norm_kernel   x [N, hidden] -> out [N, hidden]: sum of squares, then scale, per row
+    rotary_kernel     x [N, heads, hd] -> out: each pair (x_i, x_{i + hd/2}) rotated by the row's angle
+
+`CompiledRMSNorm` and `CompiledRotary` are chapter 00's `RMSNorm` and `Rotary`
+with the forward swapped; anything the kernels do not take (a GPU, bfloat16,
+a tensor that needs gradients, cos/sin broadcast over the batch) goes to the
+plain forward they inherit. `use_cpu_ops(model, "compiled")` switches a model's
+modules to them, "torch" back; the engine calls it with `EngineConfig.cpu_ops`.
+
+    python -m minicb.cpu_ops       # check against chapter 00's modules, then time both
+
+The results differ from PyTorch's in the last bits of float32 (another order of
+summation); tests/engine/test_cpu_ops.py holds the two equal within 1e-5 and
+an engine's greedy tokens identical.
+"""
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from minicb.model import Model, RMSNorm, Rotary
+
+SETTINGS = ("compiled", "torch")
+
+
+@functools.cache
+def _kernels():
+    """The Numba kernels, compiled on first use (then cached on disk); None without Numba."""
+    try:
+        from numba import njit, prange
+    except ImportError:
+        return None
+
+    # parallel=True spreads the rows over the cores: a long prompt's thousands of
+    # rows are worth two threads, and 32 rows lose only a microsecond or two to it.
+    @njit(parallel=True, fastmath=True, cache=True)
+    def rms_norm_kernel(x, weight, eps, out):
+        num_rows, hidden = x.shape
+        for row in prange(num_rows):
+            squares = np.float32(0.0)
+            for i in range(hidden):
+                squares += x[row, i] * x[row, i]
+            scale = np.float32(1.0) / np.sqrt(squares / hidden + eps)  # 1 / rms(x)
+            for i in range(hidden):
+                out[row, i] = x[row, i] * scale * weight[i]
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def rotary_kernel(x, cos, sin, out):
+        num_rows, num_heads, head_dim = x.shape
+        half = head_dim // 2
+        for row in prange(num_rows):
+            for head in range(num_heads):
+                for i in range(half):  # the pair (i, i + half), as apply_rope's "half split" layout pairs them
+                    first, second = x[row, head, i], x[row, head, i + half]
+                    out[row, head, i] = first * cos[row, i] - second * sin[row, i]
+                    out[row, head, i + half] = second * cos[row, i + half] + first * sin[row, i + half]
+
+    return SimpleNamespace(rms_norm=rms_norm_kernel, rotary=rotary_kernel)
+
+
+def applies_to(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: float32 on the CPU, no gradients wanted, Numba installed."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad for t in tensors)
+            and _kernels() is not None)
+
+
+class CompiledRMSNorm(RMSNorm):
+    """Chapter 00's RMSNorm in one compiled pass over each row. x [..., hidden] -> [..., hidden]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.detach()
+        if not applies_to(x, weight):
+            return super().forward(x)
+        rows = x.reshape(-1, x.shape[-1])  # a view of the residual stream, which is contiguous
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        _kernels().rms_norm(rows.numpy(), weight.numpy(), np.float32(self.eps), out.numpy())
+        return out.view(x.shape)
+
+
+class CompiledRotary(Rotary):
+    """Chapter 00's rotary embeddings, q and k each in one compiled pass."""
+
+    def forward(self, q, k, cos, sin):
+        # q [B, T, n_heads, hd], k [B, T, n_kv_heads, hd], cos/sin [B, T, 1, hd]
+        if not (applies_to(q, k, cos, sin) and cos.shape[:2] == q.shape[:2] == k.shape[:2]):
+            return super().forward(q, k, cos, sin)  # e.g. one cos row broadcast over a batch
+        head_dim = q.shape[-1]
+        cos_rows, sin_rows = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)  # [B * T, hd]
+        return self._rotate(q, cos_rows, sin_rows), self._rotate(k, cos_rows, sin_rows)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos_rows: torch.Tensor, sin_rows: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-2], x.shape[-1])  # [B * T, heads, hd]
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        _kernels().rotary(rows.numpy(), cos_rows.numpy(), sin_rows.numpy(), out.numpy())
+        return out.view(x.shape)
+
+
+# Each plain module class and its compiled twin. The twin adds no state, so switching is
+# changing the class of the module in place: weights, names and state_dict stay as they are.
+TWINS = ((RMSNorm, CompiledRMSNorm), (Rotary, CompiledRotary))
+
+
+def use_cpu_ops(model: Model, setting: str) -> str:
+    """Switch the model's norms and rotary to the compiled kernels ("compiled") or to chapter 00's
+    PyTorch ("torch"), in place. Returns what runs now: "compiled" only where it can (a CPU,
+    float32, Numba); otherwise "torch", whatever was asked.
+
+    Like EngineConfig.linear_backend, this is a setting of the model, which engines share:
+    the last engine built over a model decides for all of them.
+    """
+    if setting not in SETTINGS:
+        raise ValueError(f"cpu_ops={setting!r} is not one of {list(SETTINGS)}")
+    weight = model.lm_head.weight
+    compiled = setting == "compiled" and weight.device.type == "cpu" and weight.dtype == torch.float32 \
+        and _kernels() is not None
+    for module in model.modules():
+        for plain, twin in TWINS:
+            if isinstance(module, plain):
+                module.__class__ = twin if compiled else plain
+    return "compiled" if compiled else "torch"
+
+
+# ----------------------------------------------------------------------------
+# Check and benchmark: python -m minicb.cpu_ops
+#
+# SmolLM2's shapes (hidden 576, 9 query and 3 KV heads of 64) at 1 row (one
+# request decoding), 32 (a full batch of decodes) and 512 (a prompt): each
+# compiled module against chapter 00's on the same input, then both timed.
+
+if __name__ == "__main__":
+    import time
+
+    from minicb.model import rope_cos_sin
+
+    def median_us(fn, runs=200):
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e6 * sorted(times)[runs // 2]
+
+    torch.manual_seed(0)
+    plain_norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        plain_norm.weight.normal_(1.0, 0.1)
+    compiled_norm = RMSNorm(576, 1e-5)
+    compiled_norm.load_state_dict(plain_norm.state_dict())
+    compiled_norm.__class__ = CompiledRMSNorm
+    print(f"torch threads {torch.get_num_threads()}; median microseconds of {200} calls")
+    print("| rows | RMSNorm: torch | compiled | max abs diff | q and k rotary: torch | compiled | max abs diff |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for rows in (1, 32, 512):
+            x = torch.randn(1, rows, 576)
+            q, k = torch.randn(1, rows, 9, 64), torch.randn(1, rows, 3, 64)
+            cos, sin = rope_cos_sin(torch.arange(100, 100 + rows)[None], 64, 100000.0, torch.float32)
+            norm_diff = (compiled_norm(x) - plain_norm(x)).abs().max().item()
+            rotary_diff = max((a - b).abs().max().item()
+                              for a, b in zip(CompiledRotary()(q, k, cos, sin), Rotary()(q, k, cos, sin)))
+            times = [median_us(lambda: m(x)) for m in (plain_norm, compiled_norm)]
+            times += [median_us(lambda: m(q, k, cos, sin)) for m in (Rotary(), CompiledRotary())]
+            print(f"| {rows} | {times[0]:.1f} | {times[1]:.1f} | {norm_diff:.1e} | {times[2]:.1f} | {times[3]:.1f} "
+                  f"| {rotary_diff:.1e} |")
