@@ -16,8 +16,9 @@ step whose matmuls take 58 (docs/results.md, "The step between its matmuls").
 The kernels below do each in one pass, a loop over rows compiled by Numba, as
 minicb/cpu_attention.py does for decode attention:
 
-    rms_norm_kernel   x [N, hidden] -> out [N, hidden]: sum of squares, then scale, per row
-    rotary_kernel     x [N, heads, hd] -> out: each pair (x_i, x_{i + hd/2}) rotated by the row's angle
+    rms_norm_kernel   x [N, hidden] -> [N, hidden]: sum of squares, then scale, per row
+    rotary_kernel     q [N, heads, hd], k [N, kv_heads, hd] -> both with each pair (x_i, x_{i + hd/2})
+                      rotated by the row's angle
 
 `CompiledRMSNorm` and `CompiledRotary` are chapter 00's `RMSNorm` and `Rotary`
 with the forward swapped; anything the kernels do not take (a GPU, bfloat16,
@@ -54,9 +55,12 @@ def _kernels():
 
     # parallel=True spreads the rows over the cores: a long prompt's thousands of
     # rows are worth two threads, and 32 rows lose only a microsecond or two to it.
+    # Each kernel makes its own output, so that the wrapper's only PyTorch work is
+    # wrapping it (torch.from_numpy shares the memory).
     @njit(parallel=True, fastmath=True, cache=True)
-    def rms_norm_kernel(x, weight, eps, out):
-        num_rows, hidden = x.shape
+    def rms_norm_kernel(x, weight, eps):
+        num_rows, hidden = x.shape  # x [N, hidden], weight [hidden]
+        out = np.empty_like(x)
         for row in prange(num_rows):
             squares = np.float32(0.0)
             for i in range(hidden):
@@ -64,17 +68,22 @@ def _kernels():
             scale = np.float32(1.0) / np.sqrt(squares / hidden + eps)  # 1 / rms(x)
             for i in range(hidden):
                 out[row, i] = x[row, i] * scale * weight[i]
+        return out
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def rotary_kernel(x, cos, sin, out):
-        num_rows, num_heads, head_dim = x.shape
+    def rotary_kernel(q, k, cos, sin):
+        # q [N, n_heads, hd], k [N, n_kv_heads, hd], cos/sin [N, hd]: row r's angles
+        num_rows, head_dim = q.shape[0], q.shape[2]
         half = head_dim // 2
+        q_out, k_out = np.empty_like(q), np.empty_like(k)
         for row in prange(num_rows):
-            for head in range(num_heads):
-                for i in range(half):  # the pair (i, i + half), as apply_rope's "half split" layout pairs them
-                    first, second = x[row, head, i], x[row, head, i + half]
-                    out[row, head, i] = first * cos[row, i] - second * sin[row, i]
-                    out[row, head, i + half] = second * cos[row, i + half] + first * sin[row, i + half]
+            for x, out in ((q, q_out), (k, k_out)):
+                for head in range(x.shape[1]):
+                    for i in range(half):  # the pair (i, i + half), as apply_rope's "half split" layout pairs them
+                        first, second = x[row, head, i], x[row, head, i + half]
+                        out[row, head, i] = first * cos[row, i] - second * sin[row, i]
+                        out[row, head, i + half] = second * cos[row, i + half] + first * sin[row, i + half]
+        return q_out, k_out
 
     return SimpleNamespace(rms_norm=rms_norm_kernel, rotary=rotary_kernel)
 
@@ -92,29 +101,25 @@ class CompiledRMSNorm(RMSNorm):
         weight = self.weight.detach()
         if not applies_to(x, weight):
             return super().forward(x)
-        rows = x.reshape(-1, x.shape[-1])  # a view of the residual stream, which is contiguous
-        out = torch.empty(rows.shape, dtype=x.dtype)
-        _kernels().rms_norm(rows.numpy(), weight.numpy(), np.float32(self.eps), out.numpy())
-        return out.view(x.shape)
+        rows = x.numpy().reshape(-1, x.shape[-1])  # numpy's reshape: a view of the contiguous residual stream
+        out = _kernels().rms_norm(rows, weight.numpy(), np.float32(self.eps))
+        return torch.from_numpy(out.reshape(x.shape))
 
 
 class CompiledRotary(Rotary):
-    """Chapter 00's rotary embeddings, q and k each in one compiled pass."""
+    """Chapter 00's rotary embeddings, q and k in one compiled pass."""
 
     def forward(self, q, k, cos, sin):
         # q [B, T, n_heads, hd], k [B, T, n_kv_heads, hd], cos/sin [B, T, 1, hd]
         if not (applies_to(q, k, cos, sin) and cos.shape[:2] == q.shape[:2] == k.shape[:2]):
             return super().forward(q, k, cos, sin)  # e.g. one cos row broadcast over a batch
         head_dim = q.shape[-1]
-        cos_rows, sin_rows = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)  # [B * T, hd]
-        return self._rotate(q, cos_rows, sin_rows), self._rotate(k, cos_rows, sin_rows)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos_rows: torch.Tensor, sin_rows: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-2], x.shape[-1])  # [B * T, heads, hd]
-        out = torch.empty(rows.shape, dtype=x.dtype)
-        _kernels().rotary(rows.numpy(), cos_rows.numpy(), sin_rows.numpy(), out.numpy())
-        return out.view(x.shape)
+        # [B * T, heads, hd]; contiguous (a copy only if they were not), as the kernel's loop over q and k needs
+        q_rows = np.ascontiguousarray(q.numpy()).reshape(-1, q.shape[2], head_dim)
+        k_rows = np.ascontiguousarray(k.numpy()).reshape(-1, k.shape[2], head_dim)
+        q_out, k_out = _kernels().rotary(q_rows, k_rows, cos.numpy().reshape(-1, head_dim),
+                                         sin.numpy().reshape(-1, head_dim))
+        return torch.from_numpy(q_out.reshape(q.shape)), torch.from_numpy(k_out.reshape(k.shape))
 
 
 # Each plain module class and its compiled twin. The twin adds no state, so switching is

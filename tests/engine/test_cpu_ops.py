@@ -51,6 +51,16 @@ def test_compiled_rotary_matches_chapter00s(batch, rows):
         assert (a - b).abs().max() < 1e-5, f"compiled rotary's {name} differs by {(a - b).abs().max():.2e}"
 
 
+def test_compiled_rotary_takes_strided_q_and_k():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 6, 64, 9, generator=gen).transpose(2, 3)  # [1, 6, 9, 64], not contiguous
+    k = torch.randn(1, 6, 3, 64, generator=gen)
+    cos, sin = rope_cos_sin(torch.arange(6)[None], 64, 100000.0, torch.float32)
+    with torch.inference_mode():
+        for name, a, b in zip("qk", cpu_ops.CompiledRotary()(q, k, cos, sin), Rotary()(q, k, cos, sin)):
+            assert (a - b).abs().max() < 1e-5, f"strided input: rotary's {name} differs by {(a - b).abs().max():.2e}"
+
+
 def test_what_the_kernels_do_not_take_runs_chapter00s_code():
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(3, 4, 4, 16, generator=gen), torch.randn(3, 4, 2, 16, generator=gen)
