@@ -53,8 +53,12 @@ def _compiled_kernel():
     @njit(parallel=True, fastmath=True, cache=True)
     def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out):
         num_seqs, n_q_heads, head_dim = q.shape
-        block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        num_blocks, block_size, n_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
         group = n_q_heads // n_kv_heads  # query heads sharing one KV head (GQA)
+        # Numba checks no index: a block id outside the pool would read whatever memory
+        # lies there. So each job counts the blocks it refuses to read, and the caller
+        # raises if any was (a parallel loop cannot raise itself).
+        refused = 0
         # One job per sequence, spread over the CPU cores. A job takes every head
         # of its sequence, because one token's row of a block holds all KV heads
         # side by side: [n_kv_heads, head_dim], contiguous. Reading it whole is one
@@ -68,9 +72,15 @@ def _compiled_kernel():
             running_max = np.full(n_q_heads, -np.inf, dtype=np.float32)  # [H]
             running_sum = np.zeros(n_q_heads, dtype=np.float32)  # [H]
             acc = np.zeros((n_q_heads, head_dim), dtype=np.float32)  # [H, D] sum of exp(score - max) * v
+            if context_lens[seq] > block_tables.shape[1] * block_size:  # more tokens than its table lists
+                refused += 1
+                continue
             for t in range(context_lens[seq]):
                 # Token t lives at offset t % block_size of the block the table names.
                 block = block_tables[seq, t // block_size]
+                if block < 0 or block >= num_blocks:
+                    refused += 1
+                    break
                 for h in range(n_q_heads):
                     key = k_cache[block, t % block_size, h // group]  # [D], read in place
                     value = v_cache[block, t % block_size, h // group]  # [D]
@@ -93,6 +103,7 @@ def _compiled_kernel():
             for h in range(n_q_heads):
                 for d in range(head_dim):
                     out[seq, h, d] = acc[h, d] / running_sum[h]
+        return refused
 
     return decode_kernel
 
@@ -107,12 +118,18 @@ def _compiled_store():
     def store_kv_kernel(k, v, k_cache, v_cache, slot_mapping):
         num_tokens, n_kv_heads, head_dim = k.shape
         block_size = k_cache.shape[1]
+        # Numba checks no index, and a write outside the pool would corrupt memory:
+        # return the first token whose slot lies outside it, before writing anything.
+        for token in range(num_tokens):
+            if slot_mapping[token] < 0 or slot_mapping[token] >= k_cache.shape[0] * block_size:
+                return token
         for token in range(num_tokens):
             block, offset = slot_mapping[token] // block_size, slot_mapping[token] % block_size
             for head in range(n_kv_heads):
                 for d in range(head_dim):
                     k_cache[block, offset, head, d] = k[token, head, d]
                     v_cache[block, offset, head, d] = v[token, head, d]
+        return -1
 
     return store_kv_kernel
 
@@ -180,15 +197,35 @@ def paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables, context_
         import numba
         if numba.get_num_threads() != _numba_threads:  # this thread has not taken the setting yet
             numba.set_num_threads(_numba_threads)
-    _compiled_kernel()(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(), context_lens.numpy(),
-                       np.float32(scale), out.numpy())
+    refused = _compiled_kernel()(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
+                                 context_lens.numpy(), np.float32(scale), out.numpy())
+    if refused:
+        raise ValueError(_outside_the_pool(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1]))
     return out
+
+
+def _outside_the_pool(block_tables, context_lens, num_blocks: int, block_size: int) -> str:
+    """What the decode kernel refused to read, named for a person (only ever on the error path)."""
+    for seq, (table, n) in enumerate(zip(block_tables.tolist(), context_lens.tolist())):
+        used = -(-n // block_size)
+        if used > len(table):
+            return (f"sequence {seq} has context length {n}, which needs {used} blocks of {block_size}, "
+                    f"but its block table lists {len(table)}")
+        for j, block in enumerate(table[:used]):
+            if not 0 <= block < num_blocks:
+                return (f"block_tables[{seq}][{j}] = {block} is not a block of the pool: each must be in "
+                        f"[0, {num_blocks})")
+    return "a block table names a block outside the pool"
 
 
 def store_kv_unchecked(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Chapter 04's store_kv_unchecked, compiled: k, v [N, n_kv_heads, hd] into the caches
     [num_blocks, block_size, n_kv_heads, hd] at slot_mapping [N] (every slot in the pool, none padding)."""
-    _compiled_store()(k.numpy(), v.numpy(), k_cache.numpy(), v_cache.numpy(), slot_mapping.numpy())
+    bad = _compiled_store()(k.numpy(), v.numpy(), k_cache.numpy(), v_cache.numpy(), slot_mapping.numpy())
+    if bad >= 0:
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        raise ValueError(f"slot_mapping[{bad}] = {int(slot_mapping[bad])} lies outside the KV pool: slots must be "
+                         f"in [0, num_blocks * block_size) = [0, {num_slots}); nothing was written")
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None):

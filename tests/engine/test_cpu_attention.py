@@ -65,6 +65,27 @@ def test_compiled_store_matches_chapter04s():
         assert torch.equal(got, want), f"{name} differs in {int((got != want).any(-1).any(-1).sum())} slot row(s)"
 
 
+def test_the_unchecked_kernels_never_touch_memory_outside_the_pool():
+    # Numba checks no index. The engine checks each step's slots and tables once, but a
+    # student's padding (chapter 10) reaches these kernels too: a slot or block outside
+    # the pool must be an error naming it, never a write or read of other memory.
+    gen = torch.Generator().manual_seed(4)
+    k, v = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    k_cache, v_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    for slot in (16, -1):
+        with pytest.raises(ValueError, match=rf"slot_mapping\[1\] = {slot} lies outside"):
+            cpu_attention.store_kv_unchecked(k, v, k_cache, v_cache, torch.tensor([0, slot, 2]))
+        assert not k_cache.any() and not v_cache.any(), "a refused store must write nothing"
+    q, k_cache, v_cache, tables, lens = scattered_pool([5, 9], 4, 2, 8, 4)
+    bad = tables.clone()
+    bad[1, 2] = k_cache.shape[0]  # sequence 1's third block: one past the pool
+    with pytest.raises(ValueError, match=r"block_tables\[1\]\[2\] = \d+ is not a block of the pool"):
+        cpu_attention.paged_decode_attention_unchecked(q, k_cache, v_cache, bad, lens)
+    with pytest.raises(ValueError, match="sequence 0 has context length 40"):
+        cpu_attention.paged_decode_attention_unchecked(q, k_cache, v_cache, tables, torch.tensor([40, 9],
+                                                                                                 dtype=torch.int32))
+
+
 def test_bad_input_is_refused_with_a_reason():
     q, k_cache, v_cache, tables, lens = scattered_pool([5, 9], 4, 2, 8, 4)
     with pytest.raises(ValueError, match="float32"):
