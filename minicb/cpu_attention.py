@@ -19,7 +19,13 @@ It is what the engine's "torch" backend runs for decodes on a CPU, in fp32, when
 Numba is installed (it is a dependency of minicb): the backend CpuDecodeAttention
 (minicb/attention_backends.py). `EngineConfig(cpu_decode="gather")`, or the flag
 `--cpu-decode gather`, switches back to chapter 04's gather, to compare the two. On a GPU the engine
-never comes here: there chapter 05's Triton kernels do the same walk.
+never comes here: there chapter 05's Triton kernels do the same walk. The backend
+writes K/V with a compiled loop too (`store_kv_unchecked`): one call a layer.
+
+"Unchecked" means the step's metadata was checked once, on the host; it never
+means memory goes unguarded. Numba checks no index, so both kernels test each
+slot and block id against the pool and the wrappers raise a ValueError naming
+the first one outside it, before anything is written.
 
     python -m minicb.cpu_attention     # check against chapter 04, then time both and a padded cache
 
