@@ -73,3 +73,25 @@ def tiny_grammars(jump_forward: bool = False, backend: str = "minicb"):
 
     tokenizer = TinyTokenizer()
     return Grammars(TokenVocabulary(tokenizer.token_bytes, [2], [0, 1]), tokenizer, [2], backend, jump_forward)
+
+
+def tokens_with_each_setting(name: str, settings: tuple[str, str], calls: list) -> dict:
+    """Six greedy prompts through an LLM on the tiny model once per value of EngineConfig field `name`.
+
+    calls: a list a patched kernel appends to whenever it runs. Returns
+    {value: (each prompt's tokens, how many kernel calls that run made)}, so a test
+    can ask that one value runs its kernel, the other never does, and both give
+    the same tokens.
+    """
+    from minicb import LLM, SamplingParams
+    from minicb.model import random_model
+
+    model = random_model(seed=9)
+    prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
+    runs = {}
+    for value in settings:
+        before = len(calls)
+        llm = LLM.from_model(model, max_num_seqs=3, block_size=4, num_blocks=40, **{name: value})
+        tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12), use_tqdm=False)]
+        runs[value] = (tokens, len(calls) - before)
+    return runs

@@ -9,9 +9,10 @@ the two decodes ran.
 import pytest
 import torch
 
-from minicb import LLM, SamplingParams, cpu_attention
-from minicb.model import random_model
+from minicb import cpu_attention
 from minicb.paged_attention import paged_decode_attention_gather
+
+from engine_support import tokens_with_each_setting
 
 pytestmark = pytest.mark.skipif(cpu_attention._compiled_kernel() is None, reason="needs Numba")
 
@@ -95,24 +96,15 @@ def test_bad_input_is_refused_with_a_reason():
 
 
 def test_the_engine_gives_the_same_tokens_with_either_decode(monkeypatch):
-    model = random_model(seed=9)
-    prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
-    params = SamplingParams(max_tokens=12)
     calls = []
     kernel = cpu_attention.paged_decode_attention_unchecked
     monkeypatch.setattr(cpu_attention, "paged_decode_attention_unchecked",
                         lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
-    runs = {}
-    for decode in ("compiled", "gather"):
-        before = len(calls)
-        llm = LLM.from_model(model, max_num_seqs=3, block_size=4, num_blocks=40, cpu_decode=decode)
-        runs[decode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        used = len(calls) - before
-        if decode == "compiled":
-            assert used > 0, "on a CPU in fp32 the engine should decode with the compiled kernel; it never did"
-        else:
-            assert used == 0, f"cpu_decode='gather' must switch the kernel off; it ran {used} times"
-    assert runs["compiled"] == runs["gather"], f"tokens differ: {runs}"
+    runs = tokens_with_each_setting("cpu_decode", ("compiled", "gather"), calls)
+    (compiled, used), (gathered, unused) = runs["compiled"], runs["gather"]
+    assert used > 0, "on a CPU in fp32 the engine should decode with the compiled kernel; it never did"
+    assert unused == 0, f"cpu_decode='gather' must switch the kernel off; it ran {unused} times"
+    assert compiled == gathered, f"tokens differ: compiled {compiled}, gather {gathered}"
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -9,9 +9,11 @@ which ran, and "compiled" must really run the kernels.
 import pytest
 import torch
 
-from minicb import LLM, SamplingParams, cpu_ops
+from minicb import cpu_ops
 from minicb.config import EngineConfig
 from minicb.model import RMSNorm, Rotary, random_model, rope_cos_sin
+
+from engine_support import tokens_with_each_setting
 
 pytestmark = pytest.mark.skipif(cpu_ops._kernels() is None, reason="needs Numba")
 
@@ -96,22 +98,13 @@ def test_use_cpu_ops_switches_the_modules_and_back():
 
 
 def test_the_engine_gives_the_same_tokens_with_either_setting(monkeypatch):
-    model = random_model(seed=9)
-    prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
-    params = SamplingParams(max_tokens=12)
     calls = []
     kernels = cpu_ops._kernels()
     counted = type(kernels)(**{name: (lambda fn: lambda *args: calls.append(1) or fn(*args))(fn)
                                for name, fn in vars(kernels).items()})
     monkeypatch.setattr(cpu_ops, "_kernels", lambda: counted)
-    runs = {}
-    for setting in ("compiled", "torch"):
-        before = len(calls)
-        llm = LLM.from_model(model, max_num_seqs=3, block_size=4, num_blocks=40, cpu_ops=setting)
-        runs[setting] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        used = len(calls) - before
-        if setting == "compiled":
-            assert used > 0, "on a CPU in fp32 the engine should run the compiled norms; they never ran"
-        else:
-            assert used == 0, f"cpu_ops='torch' must switch the kernels off; they ran {used} times"
-    assert runs["compiled"] == runs["torch"], f"tokens differ: {runs}"
+    runs = tokens_with_each_setting("cpu_ops", ("compiled", "torch"), calls)
+    (compiled, used), (plain, unused) = runs["compiled"], runs["torch"]
+    assert used > 0, "on a CPU in fp32 the engine should run the compiled norms; they never ran"
+    assert unused == 0, f"cpu_ops='torch' must switch the kernels off; they ran {unused} times"
+    assert compiled == plain, f"tokens differ: compiled {compiled}, torch {plain}"
