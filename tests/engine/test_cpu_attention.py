@@ -50,6 +50,17 @@ def test_matches_chapter04s_gather(context_lens, n_q_heads, n_kv_heads, head_dim
     assert (scaled - paged_decode_attention_gather(*args, scale=0.5)).abs().max() < 1e-5, "a custom scale is ignored"
 
 
+def test_asking_for_rows_ahead_changes_no_value():
+    # The prefetch is a hint to the CPU: any distance, none, or one past every context must
+    # give the same bits. Its addresses follow the block tables, here scattered at random.
+    args = scattered_pool([1, 16, 17, 5, 40, 33], 9, 3, 64, 16, seed=5)
+    want = cpu_attention.paged_decode_attention_unchecked(*args, prefetch_ahead=0)
+    for ahead in (1, 8, cpu_attention.PREFETCH_AHEAD, 41, 1000):
+        got = cpu_attention.paged_decode_attention_unchecked(*args, prefetch_ahead=ahead)
+        assert torch.equal(got, want), (f"prefetch_ahead={ahead} changed the output by "
+                                        f"{(got - want).abs().max():.2e}")
+
+
 def test_compiled_store_matches_chapter04s():
     # The compiled store_kv writes the same slots as chapter 04's, and nothing else.
     from minicb.paged_attention import store_kv_unchecked
