@@ -57,37 +57,17 @@ PREFETCH_AHEAD = 8
 
 
 @functools.cache
-def _prefetch():
-    """A Numba function prefetch(array, flat_index): a hint that the CPU should start fetching that
-    element's cache line now. It never faults and changes no value; it only saves waiting later."""
-    from llvmlite import ir
-    from numba.core import cgutils, types
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def prefetch(typingctx, array, flat_index):
-        def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
-            # llvm.prefetch(address, 0 = for reading, 3 = keep in every cache level, 1 = data)
-            i32 = ir.IntType(32)
-            fn = builder.module.declare_intrinsic("llvm.prefetch", [address.type],
-                                                  ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]))
-            builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            return context.get_dummy_value()
-        return types.void(array, flat_index), codegen
-
-    return prefetch
-
-
-@functools.cache
 def _compiled_kernel():
     """The Numba kernel, compiled on first use (a few seconds, then cached on disk); None without Numba."""
     try:
         from numba import njit, prange
     except ImportError:
         return None
-    prefetch = _prefetch()
+    # A module global, not a local the kernel would close over: Numba keys its disk cache on
+    # what a kernel closes over, and an intrinsic is a new object in every process, so the
+    # kernel would be compiled again (3 s) in each.
+    global prefetch
+    from minicb.cpu_prefetch import prefetch
 
     # fastmath lets the compiler reorder the sums in the dot products, so they run
     # as SIMD instructions; the result differs from SDPA's only in the last bits.

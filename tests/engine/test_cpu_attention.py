@@ -148,3 +148,33 @@ def test_set_num_threads_sets_torch_and_numba_alike(threads):
     assert numba_on_a_new_thread == want_numba, (
         f"on a thread started after set_num_threads({threads}), the kernel ran with Numba on "
         f"{numba_on_a_new_thread} thread(s); want {want_numba}")
+
+
+def test_the_compiled_kernels_load_from_the_disk_cache_in_a_new_process():
+    # Compiling the decode kernel takes seconds; every engine, grader and notebook process
+    # would pay them if a kernel missed Numba's disk cache (as one that closes over an
+    # intrinsic does: it is a new object in every process). The second process must hit.
+    import subprocess
+    import sys
+    script = """
+import numpy as np, torch
+from minicb import cpu_attention, cpu_ops
+q, k, v = torch.randn(2, 4, 8), torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2, 8)
+tables, lens = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32), torch.tensor([5, 3], dtype=torch.int32)
+cpu_attention.paged_decode_attention_unchecked(q, k, v, tables, lens)
+cpu_attention.store_kv_unchecked(k[0], v[0], k, v, torch.tensor([0, 1, 2, 3]))
+kernels = cpu_ops._kernels()
+x = np.ones((2, 8), np.float32)
+kernels.rms_norm(x, x[0], np.float32(1e-5))
+kernels.rotary(q.numpy(), k[0].numpy(), x, x)
+for name, fn in [("decode", cpu_attention._compiled_kernel()), ("store", cpu_attention._compiled_store()),
+                 *vars(kernels).items()]:
+    print(name, sum(fn.stats.cache_hits.values()), sum(fn.stats.cache_misses.values()))
+"""
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    second = {name: (int(hits), int(misses)) for name, hits, misses in map(str.split, runs[1].stdout.split("\n")[:-1])}
+    missed = [name for name, (hits, misses) in second.items() if misses or not hits]
+    assert len(second) == 4 and not missed, f"compiled again in a second process: {missed} ({second})"
