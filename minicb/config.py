@@ -45,9 +45,9 @@ class EngineConfig:
                 "the blocks in place; chapter 04's gather when Numba is missing) or gather (chapter 04's code as a "
                 "GPU runs it)", "choices": ["compiled", "gather"]})
     cpu_ops: str = field(default="compiled", metadata={
-        "help": "a CPU float32 model's RMSNorms and rotary embeddings: compiled (minicb/cpu_ops.py, Numba, one "
-                "pass each instead of five to ten PyTorch operators) or torch (chapter 00's code); a GPU, another "
-                "dtype or a machine without Numba runs torch's", "choices": ["compiled", "torch"]})
+        "help": "a CPU float32 model's RMSNorms, rotary embeddings and SwiGLU: compiled (minicb/cpu_ops.py, "
+                "Numba, one pass each instead of two to ten PyTorch operators) or torch (chapter 00's code); a GPU, "
+                "another dtype or a machine without Numba runs torch's", "choices": ["compiled", "torch"]})
     linear_backend: str = field(default="auto", metadata={
         "help": "the CPU's matmul library for oneDNN-packed linear layers (minicb/linear_backend.py): auto times "
                 "MKL and oneDNN on the model's shapes at 1, 4 and max_num_seqs rows when the engine is built and "

@@ -135,7 +135,7 @@ class Engine:
         # The matmul library of each packed linear layer, by row count: measured for "auto" (minicb/linear_backend.py).
         self.linear_choice = use_linear_backend(model, self.config.linear_backend,
                                                 rows=sorted({1, 4, self.config.max_num_seqs}))
-        # A CPU model's norms and rotary: compiled kernels or chapter 00's PyTorch (minicb/cpu_ops.py).
+        # A CPU model's norms, rotary and SwiGLU: compiled kernels or chapter 00's PyTorch (minicb/cpu_ops.py).
         self.cpu_ops = use_cpu_ops(model, self.config.cpu_ops)
         self.num_blocks = self.parts.num_blocks(model)
         self.seq_ids = itertools.count()  # every sequence's id (a request is named by its first), never reused

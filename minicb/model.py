@@ -139,7 +139,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    def swiglu(self, gate, up):
+        # gate, up [..., intermediate] -> silu(gate) * up; minicb/cpu_ops.py compiles this part
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

@@ -14,7 +14,7 @@ of a step is anything but matmul.
 Both are taken for the model as `load_model()` gives it (linear layers from
 oneDNN-packed weights, minicb/packed_linear.py) and for the same weights in
 plain `nn.Linear` (torch's default BLAS, MKL); the step also with each setting
-of `--cpu-ops` (the compiled norms and rotary of minicb/cpu_ops.py, or chapter
+of `--cpu-ops` (the compiled norms, rotary and SwiGLU of minicb/cpu_ops.py, or chapter
 00's PyTorch). All in turns in one process, so that load from other programs
 falls on each alike. Each figure is a median.
 """
@@ -88,7 +88,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch (and Numba) threads")
     ap.add_argument("--context", type=int, default=150, help="shortest prompt; others are up to 30 tokens longer")
     ap.add_argument("--cpu-ops", nargs="+", default=list(SETTINGS), choices=SETTINGS,
-                    help="the steps' norms and rotary: compiled (minicb/cpu_ops.py), torch (chapter 00's), or both")
+                    help="the steps' norms, rotary and SwiGLU: compiled (minicb/cpu_ops.py), torch (chapter 00's), "
+                         "or both")
     ap.add_argument("--rounds", type=int, default=10, help="timed runs of each step and floor, in turns")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of a step")
     ap.add_argument("--rows", type=int, default=12, help="profiler rows to print")
@@ -96,7 +97,7 @@ def main() -> None:
 
     models = {"oneDNN packed": load_model(), "nn.Linear (MKL)": load_model(packed=False)}
     print(f"decode step vs its matmul floor; median of {args.rounds} runs each, in turns\n")
-    print("| threads | slots | weights | norms, rotary | step ms | floor ms | step / floor | step tok/s |")
+    print("| threads | slots | weights | norms, rotary, SwiGLU | step ms | floor ms | step / floor | step tok/s |")
     print("|---:|---:|---|---|---:|---:|---:|---:|")
     profiled = None
     for threads in args.threads:
@@ -121,7 +122,7 @@ def main() -> None:
         with profile() as prof:
             for _ in range(2):
                 engine.step()
-        print(f"\ntop operators of engine.step(), oneDNN packed, {ops} norms and rotary, {slots} slots, "
+        print(f"\ntop operators of engine.step(), oneDNN packed, {ops} norms, rotary and SwiGLU, {slots} slots, "
               f"{threads} thread(s), 2 steps")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 

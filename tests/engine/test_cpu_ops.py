@@ -1,4 +1,4 @@
-"""The compiled norms and rotary (minicb/cpu_ops.py) against chapter 00's PyTorch, and inside the engine.
+"""The compiled norms, rotary and SwiGLU (minicb/cpu_ops.py) against chapter 00's PyTorch, and in the engine.
 
 Each compiled module's oracle is the plain one it inherits from, on the same
 input: one row, a few, a prompt's worth; SmolLM2's widths and the tiny model's.
@@ -11,11 +11,18 @@ import torch
 
 from minicb import cpu_ops
 from minicb.config import EngineConfig
-from minicb.model import RMSNorm, Rotary, random_model, rope_cos_sin
+from minicb.model import MLP, RMSNorm, Rotary, random_model, rope_cos_sin
 
 from engine_support import tokens_with_each_setting
 
 pytestmark = pytest.mark.skipif(cpu_ops._kernels() is None, reason="needs Numba")
+
+
+def mlps() -> tuple[MLP, MLP]:
+    """The tiny model's first MLP, and its compiled twin."""
+    plain, compiled = (random_model(seed=1).model.layers[0].mlp for _ in range(2))
+    compiled.__class__ = cpu_ops.CompiledMLP
+    return plain, compiled
 
 
 def compiled_twin(norm: RMSNorm) -> RMSNorm:
@@ -63,6 +70,24 @@ def test_compiled_rotary_takes_strided_q_and_k():
             assert (a - b).abs().max() < 1e-5, f"strided input: rotary's {name} differs by {(a - b).abs().max():.2e}"
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("width", [64, 1536])
+def test_compiled_swiglu_matches_chapter00s(rows, width):
+    # The kernel's own exp (a polynomial and the float's exponent bits) against PyTorch's SiLU,
+    # over the range a model's gates reach and past where float32's exp overflows (|g| > 88).
+    gen = torch.Generator().manual_seed(rows + width)
+    gate, up = 6 * torch.randn(1, rows, width, generator=gen), torch.randn(1, rows, width, generator=gen)
+    gate[0, 0, :8] = torch.tensor([-200.0, -88.5, -30.0, -1e-4, 0.0, 1e-4, 88.5, 200.0])[:width]
+    with torch.inference_mode():
+        plain, compiled = mlps()
+        want, got = plain.swiglu(gate, up), compiled.swiglu(gate, up)
+    assert got.shape == want.shape
+    diff = (got - want).abs() - 1e-5 * want.abs()
+    worst = divmod(int(diff.argmax()), width)
+    assert diff.max() < 1e-6, (f"compiled SwiGLU differs by {(got - want).abs().max():.2e} at (row, column) {worst}: "
+                               f"gate {gate.flatten()[diff.argmax()]:.4g}")
+
+
 def test_what_the_kernels_do_not_take_runs_chapter00s_code():
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(3, 4, 4, 16, generator=gen), torch.randn(3, 4, 2, 16, generator=gen)
@@ -73,6 +98,10 @@ def test_what_the_kernels_do_not_take_runs_chapter00s_code():
         norm = RMSNorm(16, 1e-5).to(torch.bfloat16)
         x = torch.randn(2, 16, generator=gen).to(torch.bfloat16)
         assert torch.equal(compiled_twin(norm)(x), norm(x)), "bfloat16 should take the plain path"
+        gate, up = x, x.flip(0)
+        plain, compiled = mlps()
+        assert torch.equal(compiled.swiglu(gate, up), plain.swiglu(gate, up)), \
+            "bfloat16 SwiGLU should take the plain path"
     norm = RMSNorm(16, 1e-5)
     x = torch.randn(2, 16, generator=gen, requires_grad=True)
     out = compiled_twin(norm)(x)
@@ -84,11 +113,13 @@ def test_use_cpu_ops_switches_the_modules_and_back():
     keys = list(model.state_dict())
     assert cpu_ops.use_cpu_ops(model, "compiled") == "compiled"
     kinds = {type(m) for m in model.modules()}
-    assert {cpu_ops.CompiledRMSNorm, cpu_ops.CompiledRotary} <= kinds and not {RMSNorm, Rotary} & kinds
+    assert {cpu_ops.CompiledRMSNorm, cpu_ops.CompiledRotary, cpu_ops.CompiledMLP} <= kinds
+    assert not {RMSNorm, Rotary, MLP} & kinds
     assert list(model.state_dict()) == keys, "switching must not change the model's weights or their names"
     assert cpu_ops.use_cpu_ops(model, "torch") == "torch"
     kinds = {type(m) for m in model.modules()}
-    assert {RMSNorm, Rotary} <= kinds and not {cpu_ops.CompiledRMSNorm, cpu_ops.CompiledRotary} & kinds
+    assert {RMSNorm, Rotary, MLP} <= kinds
+    assert not {cpu_ops.CompiledRMSNorm, cpu_ops.CompiledRotary, cpu_ops.CompiledMLP} & kinds
     # A model the kernels cannot run stays on PyTorch, and says so.
     assert cpu_ops.use_cpu_ops(random_model(seed=1).to(torch.bfloat16), "compiled") == "torch"
     with pytest.raises(ValueError, match="cpu_ops='fast'"):
