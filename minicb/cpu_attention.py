@@ -49,10 +49,12 @@ from minicb.paged_attention import check_paged_args
 
 
 # How many tokens ahead of the one it reads the kernel asks for K/V rows (0: never).
-# On an Intel Xeon the step took 4-7 ms less with 8 (three runs, in turns, 32
-# sequences); 2 and 4 were slower than none: a row asked for so late arrives with
-# the demand load anyway, and the request costs a slot. `python -m minicb.cpu_attention`
-# times both.
+# On an Intel Xeon a 32-sequence step took 4-5 ms less with 8 on 2 threads and 10 ms
+# less on one (in turns); over 30 scattered pools 2 and 4 were slower than none (a row
+# asked for so late comes with the demand load anyway, and the request takes a slot),
+# 16 and 32 no better than 8. `python -m minicb.cpu_attention` times 8 against none.
+# (Numba's disk cache follows this file, not minicb/cpu_prefetch.py: after changing
+# that one, delete minicb/__pycache__/*.nbi.)
 PREFETCH_AHEAD = 8
 
 
