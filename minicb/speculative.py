@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minicb.sampling import SamplingParams, probabilities
+from minicb.sampling import SamplingParams, greedy_tokens, probabilities
 
 if TYPE_CHECKING:
     from minicb.block_allocator import BlockAllocator
@@ -116,7 +116,7 @@ def verify(logits: torch.Tensor, draft_token_ids: list[int], params: SamplingPar
     min_tokens: minicb/sampling.py's apply_rules) to each row already.
     """
     if params.greedy:
-        return accept_greedy(logits.argmax(-1).tolist(), draft_token_ids)
+        return accept_greedy(greedy_tokens(logits), draft_token_ids)
     target = probabilities(logits, params)  # [k + 1, V]
     drafts = torch.tensor(draft_token_ids, device=logits.device)
     point_mass = torch.nn.functional.one_hot(drafts, logits.shape[-1]).to(target.dtype)  # [k, V]

@@ -27,7 +27,8 @@ from minicb import LLM
 from minicb.engine import Engine, EngineConfig
 from minicb.model import DenseAttention, random_model, tiny_config
 from minicb.naive import first_difference, generate_with_cache
-from minicb.sampling import SamplingParams, apply_rules, finish_reason, make_generator, probabilities, sample
+from minicb.sampling import (SamplingParams, apply_rules, finish_reason, greedy_tokens, make_generator, probabilities,
+                             sample)
 from test_ch11_distribution import chi_square, worst_cells
 
 VOCAB = 64
@@ -99,6 +100,24 @@ def check_greedy(logits, params, histories, want, what: str) -> None:
 
 # ----------------------------------------------------------------------------
 # Each rule against HF's processor (or the formula), on random logits and histories.
+
+
+def test_greedy_tokens_follow_torch_argmax():
+    # On a CPU in float32 the greedy choice is NumPy's argmax; it must pick what torch.argmax
+    # picks on every row: ties (the first), NaN (counted largest), -inf and +inf, a strided view.
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 50, generator=gen)
+    logits[1, [3, 7, 20]] = 9.0  # three equal maxima
+    logits[2, 11] = float("nan")
+    logits[2, 30] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 5] = float("inf")
+    logits[5, :] = 0.0  # every column equal
+    for name, case in [("rows", logits), ("columns of the transpose", logits.t().contiguous().t()),
+                       ("every other column", logits[:, ::2]), ("float64", logits.double()),
+                       ("wanting gradients", logits.clone().requires_grad_())]:
+        want = torch.argmax(case.detach(), dim=-1).tolist()
+        assert greedy_tokens(case) == want, f"{name}: greedy_tokens {greedy_tokens(case)}, torch.argmax {want}"
 
 
 def test_the_worked_example_in_apply_rules():
