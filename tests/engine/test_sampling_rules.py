@@ -13,6 +13,9 @@ reference loop that recomputes the whole sequence each step and applies HF's
 processors to the logits, with speculation (chapter 11) off and on; and with
 speculation on, seeded sampling under the rules still follows the exact
 distribution (chi-square, as chapter 11's distribution test).
+
+And the greedy choice itself: greedy_tokens (NumPy's argmax on a CPU) against
+torch.argmax on ties, NaN and infinities.
 """
 from __future__ import annotations
 
