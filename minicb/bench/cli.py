@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         configs = minicb_engine_configs(args, num_blocks)
         llm = LLM.from_model(model, tokenizer, **configs["minicb-continuous"])
         report["meta"]["linear_layers"] = llm.engine.linear_choice.describe()  # every minicb engine shares them
-        report["meta"]["cpu_ops"] = llm.engine.cpu_ops  # the norms and rotary that run: compiled or torch
+        report["meta"]["cpu_ops"] = llm.engine.cpu_ops  # the norms, rotary and SwiGLU that run: compiled or torch
         print(f"{report['meta']['device']}; linear layers: {report['meta']['linear_layers']}; "
-              f"norms and rotary: {report['meta']['cpu_ops']}")
+              f"norms, rotary and SwiGLU: {report['meta']['cpu_ops']}")
         # minicb-continuous without CUDA graphs (on a CPU the same engine): one, reused like llm's.
         eager_llm = (LLM.from_model(model, tokenizer, **configs["minicb-eager"])
                      if "minicb-eager" in args.engines.split(",") else None)

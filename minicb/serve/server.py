@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(built, name, max_waiting=args.max_waiting, max_body_bytes=max_body_bytes)
     where = device_name(built.model.device)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (dashboard: http://{args.host}:{args.port}/) "
-          f"on {where}; linear layers: {built.engine.linear_choice.describe()}; norms and rotary: "
+          f"on {where}; linear layers: {built.engine.linear_choice.describe()}; norms, rotary and SwiGLU: "
           f"{built.engine.cpu_ops}", flush=True)
     make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level).run()
     return 0
