@@ -28,9 +28,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from minicb.packed_linear import PackedLinear
+from minicb.packed_linear import FusedLinears, PackedLinear, packed_layers
 
 BACKENDS = ("auto", "mkl", "onednn")
 ALWAYS_MKL = 2**62  # a threshold no row count reaches
@@ -92,8 +91,9 @@ def time_call(fn, repeats: int) -> float:
     return best
 
 
-def measure(layers: list[PackedLinear], rows: list[int], repeats: int = 5) -> dict:
-    """(shape, rows, library) -> seconds for one layer of each shape, each library, each row count, in turns."""
+def measure(layers: list[PackedLinear | FusedLinears], rows: list[int], repeats: int = 5) -> dict:
+    """(shape, rows, library) -> seconds for one layer of each shape, each library, each row count, in turns.
+    A FusedLinears' shape is its stack's, (in, sum of outs); its "mkl" is its layers one by one."""
     timings = {}
     seen = {}
     for layer in layers:
@@ -101,8 +101,8 @@ def measure(layers: list[PackedLinear], rows: list[int], repeats: int = 5) -> di
     with torch.inference_mode():
         for shape, layer in seen.items():
             for r in rows:
-                x = torch.randn(r, shape[0], dtype=layer.weight.dtype)
-                timings[(shape, r, "mkl")] = time_call(lambda: F.linear(x, layer.weight, layer.bias), repeats)
+                x = torch.randn(r, shape[0])  # packed layers are float32
+                timings[(shape, r, "mkl")] = time_call(lambda: layer.plain(x), repeats)
                 timings[(shape, r, "onednn")] = time_call(lambda: layer.onednn(x), repeats)
     return timings
 
@@ -116,7 +116,7 @@ def use_linear_backend(model, backend: str, rows: list[int], timings: dict | Non
     """
     if backend not in BACKENDS:
         raise ValueError(f"linear_backend={backend!r} is not one of {list(BACKENDS)}")
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    layers = packed_layers(model)
     if not layers:
         if backend == "onednn":
             raise ValueError("linear_backend='onednn' needs oneDNN-packed linear layers, and this model has none "

@@ -119,14 +119,20 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attention):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, cos, sin)
         # Here is the seam every chapter plugs into: store k/v wherever the cache
         # lives and attend over everything this token may see.
         out = attention(self.layer, q, k, v)  # [B, T, n_heads, hd]
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+    def project_qkv(self, x):
+        # x [B, T, hidden] -> q [B, T, n_heads * hd], k and v [B, T, n_kv_heads * hd]. Three
+        # matmuls of one input: minicb/packed_linear.py makes them one on a CPU.
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
 class MLP(nn.Module):
@@ -139,7 +145,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.swiglu(*self.project_gate_up(x)))
+
+    def project_gate_up(self, x):
+        # x [..., hidden] -> gate, up [..., intermediate]; one matmul on a CPU, as project_qkv
+        return self.gate_proj(x), self.up_proj(x)
 
     def swiglu(self, gate, up):
         # gate, up [..., intermediate] -> silu(gate) * up; minicb/cpu_ops.py compiles this part

@@ -5,8 +5,9 @@
 
 A decode step of SmolLM2 reads every weight once: 30 layers of seven projections
 and the 576 x 49152 lm_head. The floor is what those matmuls cost alone, on N
-rows, with the model's own weights (`floor`: each linear module of the model,
-in order, on a random [1, N, in] input). The step is a whole decode-only
+rows, with the model's own weights (`floor`: each product the step runs, in
+order, on a random [1, N, in] input). A packed model runs the seven as four:
+q, k and v in one product, gate and up in another (minicb/packed_linear.py). The step is a whole decode-only
 `engine.step()` with N requests decoding: schedule, prepare, forward (attention,
 norms, rotary, the same matmuls), sample, postprocess. Their ratio says how much
 of a step is anything but matmul.
@@ -30,6 +31,7 @@ from torch.profiler import profile
 from minicb.cpu_attention import set_num_threads
 from minicb.cpu_ops import SETTINGS, use_cpu_ops
 from minicb.engine import Engine, EngineConfig
+from minicb.packed_linear import packed_layers
 from minicb.sampling import SamplingParams
 from minicb.weights import load_model
 
@@ -49,21 +51,21 @@ def median_ms_in_turns(fns, rounds: int, setups=None) -> list[float]:
     return [statistics.median(ms) for ms in times]
 
 
-def linear_layers(model) -> list[torch.nn.Module]:
-    """Every linear module a decode step runs, in order (lm_head last)."""
-    return [m for name, m in model.named_modules() if hasattr(m, "weight") and m.weight.dim() == 2
-            and not name.endswith("embed_tokens")]
+def linear_layers(model) -> list:
+    """Every product a decode step runs, in order (lm_head last): a packed model's FusedLinears and
+    PackedLinear modules, or a plain model's nn.Linear modules."""
+    return packed_layers(model) or [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 def floor_fn(model, rows: int):
-    """The step's matmuls alone: each linear module on its own [1, rows, in] input."""
+    """The step's matmuls alone: each product on its own [1, rows, in] input."""
     layers = linear_layers(model)
-    inputs = {n: torch.randn(1, rows, n) for n in {m.weight.shape[1] for m in layers}}
+    inputs = {n: torch.randn(1, rows, n) for n in {m.in_features for m in layers}}
 
     @torch.inference_mode()
     def floor():
         for m in layers:
-            m(inputs[m.weight.shape[1]])
+            m(inputs[m.in_features])
     return floor
 
 

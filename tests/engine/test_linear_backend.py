@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from minicb import LLM, SamplingParams
 from minicb.config import EngineConfig
 from minicb.linear_backend import ALWAYS_MKL, pick_thresholds, use_linear_backend
 from minicb.model import random_model
-from minicb.packed_linear import PackedLinear, available, pack_linears
+from minicb.packed_linear import FusedLinears, PackedLinear, available, pack_linears, packed_layers
 
 ROWS = [1, 4, 32]
 pytestmark = pytest.mark.skipif(not available(), reason="this torch has no oneDNN packed linear")
@@ -41,8 +40,8 @@ def test_the_faster_library_is_picked_per_row_range(mkl, onednn, threshold):
 
 def packed_tiny():
     model = pack_linears(random_model(seed=1))
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert layers, "the tiny model was not packed"
+    layers = packed_layers(model)
+    assert {type(m) for m in layers} == {PackedLinear, FusedLinears}, f"the tiny model's products: {layers}"
     return model, layers
 
 
@@ -54,12 +53,15 @@ def test_each_layer_takes_the_library_it_was_given_by_row_count():
         injected |= timings(shape, [1.0, 2.0, 9.0], [2.0, 1.0, 5.0])  # MKL below 4 rows, oneDNN from 4
     choice = use_linear_backend(model, "auto", ROWS, timings=injected)
     assert all(m.mkl_below == 4 for m in layers) and "mkl below 4 rows" in choice.describe()
-    layer = layers[0]
     with torch.inference_mode():
-        for rows, want in ((1, "mkl"), (3, "mkl"), (4, "onednn"), (40, "onednn")):
-            x = torch.randn(rows, layer.in_features)
-            expected = F.linear(x, layer.weight, layer.bias) if want == "mkl" else layer.onednn(x)
-            assert torch.equal(layer(x), expected), f"{rows} rows should go to {want}"
+        for layer in (next(m for m in layers if isinstance(m, kind)) for kind in (PackedLinear, FusedLinears)):
+            for rows, want in ((1, "mkl"), (3, "mkl"), (4, "onednn"), (40, "onednn")):
+                x = torch.randn(rows, layer.in_features)
+                got, expected = layer(x), layer.plain(x) if want == "mkl" else layer.onednn(x)
+                if isinstance(layer, PackedLinear):
+                    got, expected = [got], [expected]
+                assert all(torch.equal(a, b) for a, b in zip(got, expected)), \
+                    f"{type(layer).__name__}: {rows} rows should go to {want}"
     use_linear_backend(model, "onednn", ROWS)
     assert all(m.mkl_below == 0 for m in layers)
     use_linear_backend(model, "mkl", ROWS)

@@ -44,14 +44,58 @@ def test_pack_linears_keeps_the_model_and_its_outputs():
     positions = torch.arange(9).expand(2, 9)
     want = model(ids, positions, DenseAttention())
     packed_linear.pack_linears(model)
-    kinds = {type(m).__name__ for m in model.modules()}
-    assert "Linear" not in kinds and "PackedLinear" in kinds, f"module kinds after packing: {sorted(kinds)}"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn.project_qkv, packed_linear.FusedLinears), "q, k and v were not fused"
+        assert attn.project_qkv.linears == [attn.q_proj, attn.k_proj, attn.v_proj]
+        assert isinstance(mlp.project_gate_up, packed_linear.FusedLinears), "gate and up were not fused"
+        assert mlp.project_gate_up.linears == [mlp.gate_proj, mlp.up_proj]
+        assert isinstance(attn.o_proj, packed_linear.PackedLinear) and isinstance(mlp.down_proj,
+                                                                                  packed_linear.PackedLinear)
+    assert isinstance(model.lm_head, packed_linear.PackedLinear)
     assert sorted(model.state_dict()) == keys, "packing changed the state dict's keys"
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight, "packing untied lm_head from the embedding"
     got = model(ids, positions, DenseAttention())
     err = (got - want).abs().max().item()
     assert err < 1e-3, f"logits moved by {err:.2e} when the linear layers were packed"
+
+
+def fused_layers(biases):
+    torch.manual_seed(0)
+    return [nn.Linear(48, out, bias=bias) for out, bias in zip((80, 16, 16), biases)]
+
+
+@pytest.mark.parametrize("biases", [(False, False, False), (True, False, True)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 5), (3, 7), (1, 64)])
+def test_fused_linears_match_each_layer_alone(biases, shape):
+    linears = fused_layers(biases)
+    fused = packed_linear.FusedLinears(linears)
+    x = torch.randn(*shape, 48)
+    with torch.inference_mode():
+        got = fused(x)
+        for i, (linear, out) in enumerate(zip(linears, got)):
+            want = linear(x)
+            assert out.shape == want.shape, f"output {i}: shape {tuple(out.shape)}, nn.Linear gives {tuple(want.shape)}"
+            err = (out - want).abs().max().item()
+            assert err < 1e-4, f"output {i}: max |fused - nn.Linear| = {err:.2e} at input {shape}, biases {biases}"
+
+
+@pytest.mark.parametrize("written", ["weight", "bias"])
+def test_fused_linears_use_a_weight_written_after_packing(written):
+    linears = fused_layers((False, True, False))
+    fused = packed_linear.FusedLinears(linears)
+    with torch.no_grad():
+        getattr(linears[1], written).add_(1.0)  # in place, as load_state_dict writes
+    x = torch.randn(2, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x)[1], linears[1](x),
+                                   msg=f"after an in-place write of a {written} the fused product still used the old one")
+
+
+def test_fused_linears_refuse_layers_of_different_inputs():
+    with pytest.raises(ValueError, match=r"one input width; got \[48, 32\]"):
+        packed_linear.FusedLinears([nn.Linear(48, 8), nn.Linear(32, 8)])
 
 
 def test_pack_linears_leaves_other_dtypes_alone():

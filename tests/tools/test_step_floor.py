@@ -1,11 +1,13 @@
 """tools/step_floor.py's pieces on the tiny model: the floor runs the step's own linear layers, the step is decode-only.
 
 The tool times SmolLM2 for minutes; what it times must be the right thing,
-which does not depend on timing: every projection of every layer plus lm_head,
-on as many rows as slots, against an engine step in which every slot decodes.
+which does not depend on timing: every product of every layer (on a packed
+model q, k and v as one, gate and up as one) plus lm_head, on as many rows as
+slots, against an engine step in which every slot decodes.
 """
 
 import pytest
+import torch
 
 from minicb import packed_linear
 from minicb.model import random_model, tiny_config
@@ -20,21 +22,30 @@ def tool():
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_floor_runs_every_projection_and_lm_head_on_slot_rows(tool, packed):
+def test_floor_runs_every_projection_and_lm_head_on_slot_rows(tool, packed, monkeypatch):
     cfg = tiny_config()
     model = random_model(cfg)
     if packed:
         packed_linear.pack_linears(model)
     layers = tool.linear_layers(model)
-    assert len(layers) == 7 * cfg.num_layers + 1, f"{len(layers)} linear layers; a step runs 7 per layer and lm_head"
+    # Plain: q, k, v, o, gate, up, down. Packed: [q k v], o, [gate up], down.
+    per_layer = 4 if packed else 7
+    assert len(layers) == per_layer * cfg.num_layers + 1, \
+        f"{len(layers)} products; a step runs {per_layer} per layer and lm_head"
     assert layers[-1] is model.lm_head, "lm_head must come last, as in the forward"
+    if packed:
+        kinds = [type(m).__name__ for m in layers[:4]]
+        assert kinds == ["FusedLinears", "PackedLinear", "FusedLinears", "PackedLinear"], f"a layer's products: {kinds}"
     rows_seen = []
-    hooks = [m.register_forward_hook(lambda m, args, out: rows_seen.append((args[0].shape[1], out.shape[-1])))
-             for m in layers]
+    for kind in (torch.nn.Linear, packed_linear.PackedLinear, packed_linear.FusedLinears):
+        call = kind.__call__ if kind is packed_linear.FusedLinears else kind.forward
+
+        def spy(self, x, call=call):
+            rows_seen.append((id(self), x.shape[1]))
+            return call(self, x)
+        monkeypatch.setattr(kind, "__call__" if kind is packed_linear.FusedLinears else "forward", spy)
     tool.floor_fn(model, rows=5)()
-    for h in hooks:
-        h.remove()
-    assert rows_seen == [(5, m.weight.shape[0]) for m in layers], f"floor ran {rows_seen}"
+    assert rows_seen == [(id(m), 5) for m in layers], f"floor ran {rows_seen}"
 
 
 def test_decoding_engine_steps_decode_every_slot(tool):
