@@ -12,10 +12,20 @@ padded cache on a CPU, and how a compiled loop removes that cost:
   over blocks, each iteration a handful of small tensor ops.
 - This file is version 2 written as the loop it really is, compiled to machine
   code by Numba (`@njit`), and run in parallel over sequences. Each sequence
-  walks its block table token by token, folds each key into every query
-  head's running max, sum and weighted sum of values, and never copies a block.
-  A few tokens ahead of the one it reads, it asks the CPU for that token's
-  rows (a prefetch), because the next block may lie anywhere in the pool.
+  walks its block table a block at a time: every head's scores against the
+  block's keys, then one new running max per head (and one rescale of what was
+  summed), the block's weights all at once, and their weighted values. It never
+  copies a block. A few tokens ahead of the one it reads, it asks the CPU for
+  that token's rows (a prefetch), because the next block may lie anywhere in
+  the pool.
+
+Its first version folded in one key at a time, chapter 04's online softmax at
+its finest grain: a comparison, a rescale and a C library exp for every key and
+head. A block at a time, the exps run as SIMD instructions (the polynomial of
+minicb/cpu_ops.py's SwiGLU) and the rescales are 16 times fewer. On an AMD EPYC
+with AVX2 (Zen 3), in turns: a 32-slot decode step 112.7 against 117.9 ms on 2
+threads, 184.9 against 199.9 on one; alone, over 30 layers, 15.7 against 31.8 ms
+from memory and 17.4 against 31.0 in cache (docs/results.md).
 
 It is what the engine's "torch" backend runs for decodes on a CPU, in fp32, when
 Numba is installed (it is a dependency of minicb): the backend CpuDecodeAttention
@@ -45,14 +55,19 @@ import functools
 import numpy as np
 import torch
 
+from minicb.cpu_ops import EXP2_COEFFICIENTS, LOG2_E
 from minicb.paged_attention import check_paged_args
+
+FLOAT_MAX = np.float32(np.finfo(np.float32).max)  # the running max's start, in place of -inf
 
 
 # How many tokens ahead of the one it reads the kernel asks for K/V rows (0: never).
-# On an Intel Xeon a 32-sequence step took 4-5 ms less with 8 on 2 threads and 10 ms
-# less on one (in turns); over 30 scattered pools 2 and 4 were slower than none (a row
-# asked for so late comes with the demand load anyway, and the request takes a slot),
-# 16 and 32 no better than 8. `python -m minicb.cpu_attention` times 8 against none.
+# With the first, key-at-a-time kernel, on an Intel Xeon, a 32-sequence step took 4-5 ms
+# less with 8 on 2 threads and 10 ms less on one (in turns); over 30 scattered pools 2
+# and 4 were slower than none (a row asked for so late comes with the demand load
+# anyway, and the request takes a slot), 16 and 32 no better than 8. With this kernel,
+# on an AMD EPYC (Zen 3), over 30 pools: 15.8 ms with 8, 15.6 with 16, 17.2 with 32 and
+# 25.4 with none. `python -m minicb.cpu_attention` times 8 against none.
 # (Numba's disk cache follows this file, not minicb/cpu_prefetch.py: after changing
 # that one, delete minicb/__pycache__/*.nbi.)
 PREFETCH_AHEAD = 8
@@ -70,6 +85,7 @@ def _compiled_kernel():
     # kernel would be compiled again (3 s) in each.
     global prefetch
     from minicb.cpu_prefetch import prefetch
+    c0, c1, c2, c3, c4, c5, c6, c7 = EXP2_COEFFICIENTS
 
     # fastmath lets the compiler reorder the sums in the dot products, so they run
     # as SIMD instructions; the result differs from SDPA's only in the last bits.
@@ -87,50 +103,78 @@ def _compiled_kernel():
         # side by side: [n_kv_heads, head_dim], contiguous. Reading it whole is one
         # run of memory; a job per (sequence, KV head), chapter 05's Triton grid,
         # would read every row in n_kv_heads strided pieces. On this project's 2-core
-        # machine that took 27-35 ms where this took 20-28 (three runs, side by side),
-        # for 30 layers of 32 sequences of 150-189 tokens: 250 MB of K and V, too
-        # much for the CPU's caches, so how memory is read is what counts.
+        # machine that took 27-35 ms where a job per sequence took 20-28 (three runs,
+        # side by side), for 30 layers of 32 sequences of 150-189 tokens: 250 MB of K
+        # and V, too much for the CPU's caches, so how memory is read is what counts.
         for seq in prange(num_seqs):
-            queries = q[seq] * scale  # [H, D]
-            running_max = np.full(n_q_heads, -np.inf, dtype=np.float32)  # [H]
+            # Scores in base 2 (exp(x) = 2^(x log2 e)), for the exponent-bits exp below.
+            queries = q[seq] * (scale * LOG2_E)  # [H, D]
+            running_max = np.full(n_q_heads, -FLOAT_MAX, dtype=np.float32)  # [H]; finite: fastmath assumes no inf
             running_sum = np.zeros(n_q_heads, dtype=np.float32)  # [H]
-            acc = np.zeros((n_q_heads, head_dim), dtype=np.float32)  # [H, D] sum of exp(score - max) * v
-            if context_lens[seq] > block_tables.shape[1] * block_size:  # more tokens than its table lists
+            acc = np.zeros((n_q_heads, head_dim), dtype=np.float32)  # [H, D] sum of 2^(score - max) * v
+            scores = np.empty((n_q_heads, block_size), dtype=np.float32)  # [H, block]: one block's, then its weights
+            exponent_bits = np.empty(block_size, dtype=np.int32)
+            two_to_whole = exponent_bits.view(np.float32)  # the same memory, read as floats
+            n = context_lens[seq]
+            if n > block_tables.shape[1] * block_size:  # more tokens than its table lists
                 refused += 1
                 continue
-            for t in range(context_lens[seq]):
-                # Token t lives at offset t % block_size of the block the table names.
-                block = block_tables[seq, t // block_size]
+            for b in range((n + block_size - 1) // block_size):
+                block = block_tables[seq, b]
                 if block < 0 or block >= num_blocks:
                     refused += 1
                     break
-                # Ask now for the K and V rows of token t + ahead. The CPU's own prefetcher
-                # follows a run of memory, but cannot know where the next block lies.
-                later = t + ahead
-                if ahead > 0 and later < context_lens[seq]:
-                    later_block = block_tables[seq, later // block_size]
-                    if 0 <= later_block < num_blocks:
-                        row = (later_block * block_size + later % block_size) * n_kv_heads * head_dim
-                        for line in range(0, n_kv_heads * head_dim, 16):  # 16 floats: one 64-byte cache line
-                            prefetch(k_cache, row + line)
-                            prefetch(v_cache, row + line)
-                for h in range(n_q_heads):
-                    key = k_cache[block, t % block_size, h // group]  # [D], read in place
-                    value = v_cache[block, t % block_size, h // group]  # [D]
-                    score = np.float32(0.0)
-                    for d in range(head_dim):
-                        score += queries[h, d] * key[d]
-                    # The online softmax of chapter 04, one key at a time: a new
-                    # maximum rescales what was summed so far.
-                    if score > running_max[h]:
-                        rescale = np.exp(running_max[h] - score)
-                        running_sum[h] = running_sum[h] * rescale + 1.0
+                count = min(block_size, n - b * block_size)  # tokens of this block in the context
+                # 1. Every head's score against every key of the block.
+                for t in range(count):
+                    # Ask now for the K and V rows of the token `ahead` further on. The CPU's own
+                    # prefetcher follows a run of memory, but cannot know where the next block lies.
+                    later = b * block_size + t + ahead
+                    if ahead > 0 and later < n:
+                        later_block = block_tables[seq, later // block_size]
+                        if 0 <= later_block < num_blocks:
+                            row = (later_block * block_size + later % block_size) * n_kv_heads * head_dim
+                            for line in range(0, n_kv_heads * head_dim, 16):  # 16 floats: a 64-byte cache line
+                                prefetch(k_cache, row + line)
+                                prefetch(v_cache, row + line)
+                    for h in range(n_q_heads):
+                        key = k_cache[block, t, h // group]  # [D], read in place
+                        score = np.float32(0.0)
                         for d in range(head_dim):
-                            acc[h, d] = acc[h, d] * rescale + value[d]
-                        running_max[h] = score
-                    else:
-                        weight = np.exp(score - running_max[h])
-                        running_sum[h] += weight
+                            score += queries[h, d] * key[d]
+                        scores[h, t] = score
+                for h in range(n_q_heads):
+                    # 2. The online softmax of chapter 04, a block at a time: a new maximum
+                    # rescales what was summed so far, once per block, not once per key.
+                    new_max = running_max[h]
+                    for t in range(count):
+                        new_max = max(new_max, scores[h, t])
+                    if new_max > running_max[h]:
+                        rescale = np.exp2(max(running_max[h] - new_max, np.float32(-126.0)))  # 0 at the first block
+                        running_sum[h] *= rescale
+                        for d in range(head_dim):
+                            acc[h, d] *= rescale
+                        running_max[h] = new_max
+                    # 3. The block's weights 2^(score - max), all at once: 2^whole in a float's
+                    # exponent bits, 2^frac from a polynomial, as minicb/cpu_ops.py's SwiGLU,
+                    # so the loop runs as SIMD instructions where np.exp would call the C
+                    # library once per key.
+                    for t in range(count):
+                        y = max(scores[h, t] - new_max, np.float32(-126.0))  # <= 0; below 2^-126 is 0 anyway
+                        whole = np.floor(y)
+                        frac = y - whole
+                        scores[h, t] = c0 + frac * (c1 + frac * (c2 + frac * (c3 + frac * (c4 + frac * (
+                            c5 + frac * (c6 + frac * c7))))))
+                        exponent_bits[t] = (np.int32(whole) + 127) << 23
+                    total = np.float32(0.0)
+                    for t in range(count):
+                        scores[h, t] *= two_to_whole[t]
+                        total += scores[h, t]
+                    running_sum[h] += total
+                    # 4. The weighted values.
+                    for t in range(count):
+                        weight = scores[h, t]
+                        value = v_cache[block, t, h // group]  # [D]
                         for d in range(head_dim):
                             acc[h, d] += weight * value[d]
             for h in range(n_q_heads):
