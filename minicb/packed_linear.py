@@ -26,13 +26,16 @@ where (minicb/linear_backend.py).
 Projections of one input are packed as one matrix. A layer multiplies the same
 normed x by q, k and v (576 -> 576, 192, 192 in SmolLM2), and the MLP's input by
 gate and up (576 -> 1536 twice): five products where two will do, one 576 x 960
-and one 576 x 3072. A narrow product keeps two cores less busy than a wide one,
-and each call has its own start-up and its own wait for the slowest thread. So
+and one 576 x 3072. Each call has its own start-up and its own wait for the
+slowest thread. So
 `FusedLinears` packs the stacked weights once and answers `project_qkv` and
 `project_gate_up` (minicb/model.py) with one oneDNN call, whose output it hands
-back as views, one per projection. On an AMD EPYC (Zen 3, 2 threads, in turns):
-a 1-slot decode step 41.0 against 49.0 ms, a 32-slot step 113.4 against 117.0
-(docs/results.md). The projections it fuses stay the model's `nn.Linear`s,
+back as views, one per projection. On an AMD EPYC (Zen 3), in turns, against
+every layer packed alone: on 2 threads a 1-slot decode step 39.2 against 43.3 ms
+(38.8 against 45.0 in another run), a 32-slot step 0.7-3.5% faster (four runs);
+on one thread no gain at one slot and 1.5-3.4% at 32 (docs/results.md). Two
+threads gain most: a narrow product leaves them more of their time waiting for
+each other. The projections it fuses stay the model's `nn.Linear`s,
 which it runs one by one when a call is not for oneDNN (few rows on MKL, a GPU,
 a weight written since packing).
 
