@@ -27,17 +27,16 @@ Projections of one input are packed as one matrix. A layer multiplies the same
 normed x by q, k and v (576 -> 576, 192, 192 in SmolLM2), and the MLP's input by
 gate and up (576 -> 1536 twice): five products where two will do, one 576 x 960
 and one 576 x 3072. Each call has its own start-up and its own wait for the
-slowest thread. So
-`FusedLinears` packs the stacked weights once and answers `project_qkv` and
-`project_gate_up` (minicb/model.py) with one oneDNN call, whose output it hands
-back as views, one per projection. On an AMD EPYC (Zen 3), in turns, against
+slowest thread. So `FusedLinears` packs the stacked weights once and answers
+`project_qkv` and `project_gate_up` (minicb/model.py) with one oneDNN call,
+whose output it hands back as views, one per projection. On an AMD EPYC (Zen 3), in turns, against
 every layer packed alone: on 2 threads a 1-slot decode step 39.2 against 43.3 ms
 (38.8 against 45.0 in another run), a 32-slot step 0.7-3.5% faster (four runs);
 on one thread no gain at one slot and 1.5-3.4% at 32 (docs/results.md). Two
 threads gain most: a narrow product leaves them more of their time waiting for
-each other. The projections it fuses stay the model's `nn.Linear`s,
-which it runs one by one when a call is not for oneDNN (few rows on MKL, a GPU,
-a weight written since packing).
+each other. The projections it fuses stay the model's `nn.Linear`s, which it
+runs one by one when a call is not for oneDNN (few rows on MKL, a GPU, a weight
+written since packing).
 
     fused = FusedLinears([attn.q_proj, attn.k_proj, attn.v_proj])
     q, k, v = fused(x)       # x [..., 576] -> [..., 576], [..., 192], [..., 192]
