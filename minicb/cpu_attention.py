@@ -150,7 +150,8 @@ def _compiled_kernel():
                     for t in range(count):
                         new_max = max(new_max, scores[h, t])
                     if new_max > running_max[h]:
-                        rescale = np.exp2(max(running_max[h] - new_max, np.float32(-126.0)))  # 0 at the first block
+                        # (At the first block the sums are still 0, whatever the rescale.)
+                        rescale = np.exp2(max(running_max[h] - new_max, np.float32(-126.0)))
                         running_sum[h] *= rescale
                         for d in range(head_dim):
                             acc[h, d] *= rescale

@@ -12,7 +12,7 @@ while oneDNN won at 32. A default right on one vendor is wrong on the other.
 So `use_linear_backend` times both on the model's own weights, every layer of
 each shape in one pass (cold, as a step reads them), at the row counts the
 engine will run (1, a few, max_num_seqs), and keeps per shape a row threshold:
-rows below it go to MKL, rows from it on to oneDNN. SmolLM2 takes 0.5-1 s. A
+rows below it go to MKL, rows from it on to oneDNN. SmolLM2 takes 0.4-1.1 s. A
 `PackedLinear` keeps the plain weight beside the packed one, so switching per
 call costs nothing. `linear_backend` (EngineConfig) forces one library instead:
 "mkl" or "onednn"; "auto" measures.

@@ -76,6 +76,21 @@ def test_auto_measures_every_shape_at_every_row_count():
     assert set(choice.thresholds) == shapes and choice.seconds > 0
 
 
+def test_auto_times_every_layer_of_a_shape_not_one_again_and_again(monkeypatch):
+    # One layer timed repeatedly is its weight warm in the cache; a step reads every weight cold.
+    model, layers = packed_tiny()
+    seen = {"plain": set(), "onednn": set()}
+    for kind in (PackedLinear, FusedLinears):
+        for library in seen:
+            def spy(self, x, call=getattr(kind, library), library=library):
+                seen[library].add(id(self))
+                return call(self, x)
+            monkeypatch.setattr(kind, library, spy)
+    use_linear_backend(model, "auto", ROWS)
+    for library, ids in seen.items():
+        assert ids == {id(m) for m in layers}, f"{library}: timed {len(ids)} of the {len(layers)} products"
+
+
 def test_a_model_without_packed_layers_runs_mkl_and_refuses_onednn():
     model = random_model(seed=1)
     assert "no packed layers" in use_linear_backend(model, "auto", ROWS).describe()

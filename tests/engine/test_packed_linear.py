@@ -89,8 +89,9 @@ def test_fused_linears_use_a_weight_written_after_packing(written):
         getattr(linears[1], written).add_(1.0)  # in place, as load_state_dict writes
     x = torch.randn(2, 48)
     with torch.inference_mode():
-        torch.testing.assert_close(fused(x)[1], linears[1](x),
-                                   msg=f"after an in-place write of a {written} the fused product still used the old one")
+        torch.testing.assert_close(
+            fused(x)[1], linears[1](x),
+            msg=f"after an in-place write of a {written} the fused product still used the old one")
 
 
 def test_fused_linears_refuse_layers_of_different_inputs():
