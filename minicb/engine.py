@@ -60,6 +60,7 @@ from minicb.sampling import SamplingParams, apply_rules, make_generator, sample
 from minicb.scheduler import RequestRejected, Sequence, SchedulerOutput, StepResult
 from minicb.structured.guide import Grammars
 from minicb.trace import SlotState, StepTrace
+from minicb.weights import cache_dir
 
 
 class NewToken(NamedTuple):
@@ -132,9 +133,11 @@ class Engine:
         self.model, self.config = model, config or (parts.config if parts is not None else EngineConfig())
         self.config.validate()  # its fields may have been changed since it was made
         self.parts = parts or EngineParts.from_environment(self.config)
-        # The matmul library of each packed linear layer, by row count: measured for "auto" (minicb/linear_backend.py).
+        # The matmul library of each packed linear layer, by row count: measured for "auto", or read
+        # from what an earlier engine on this CPU measured (minicb/linear_backend.py).
         self.linear_choice = use_linear_backend(model, self.config.linear_backend,
-                                                rows=sorted({1, 4, self.config.max_num_seqs}))
+                                                rows=sorted({1, 4, self.config.max_num_seqs}),
+                                                cache=cache_dir() / "linear_choice.json")
         # A CPU model's norms, rotary and SwiGLU: compiled kernels or chapter 00's PyTorch (minicb/cpu_ops.py).
         self.cpu_ops = use_cpu_ops(model, self.config.cpu_ops)
         self.num_blocks = self.parts.num_blocks(model)

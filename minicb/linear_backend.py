@@ -12,10 +12,19 @@ while oneDNN won at 32. A default right on one vendor is wrong on the other.
 So `use_linear_backend` times both on the model's own weights, every layer of
 each shape in one pass (cold, as a step reads them), at the row counts the
 engine will run (1, a few, max_num_seqs), and keeps per shape a row threshold:
-rows below it go to MKL, rows from it on to oneDNN. SmolLM2 takes 0.4-1.1 s. A
-`PackedLinear` keeps the plain weight beside the packed one, so switching per
-call costs nothing. `linear_backend` (EngineConfig) forces one library instead:
-"mkl" or "onednn"; "auto" measures.
+rows below it go to MKL, rows from it on to oneDNN. A `PackedLinear` keeps the
+plain weight beside the packed one, so switching per call costs nothing.
+`linear_backend` (EngineConfig) forces one library instead: "mkl" or "onednn";
+"auto" measures.
+
+Measuring SmolLM2 takes 0.4-1.1 s at 32 rows and more at larger batches, in
+every engine a process builds. So the engine keeps what it measured in a file
+(`~/.cache/minicb/linear_choice.json`, or under `$MINICB_CACHE`), under a key
+of everything the timings depend on: the CPU model, torch's version, the thread
+count, the row counts and the model's shapes. The next engine with the same key
+reads the timings back and decides from them as if it had just measured. A
+machine of another CPU, a new torch or another `--threads` measures again; to
+measure again on the same one, delete the file.
 
     choice = use_linear_backend(model, "auto", rows=[1, 4, 32])
     choice.describe()      # "576x576: mkl below 32 rows, onednn from 32; ..."
@@ -25,11 +34,17 @@ timings of its own and see it pick each library when it is the faster.
 """
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import pathlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
+from minicb.bench.machine import cpu_model
 from minicb.packed_linear import FusedLinears, PackedLinear, packed_layers
 
 BACKENDS = ("auto", "mkl", "onednn")
@@ -45,6 +60,7 @@ class LinearChoice:
     timings: dict = field(default_factory=dict)  # (shape, rows, library) -> seconds, when measured
     seconds: float = 0.0  # what measuring cost
     note: str = ""  # why nothing was chosen, when nothing could be
+    kept_in: str = ""  # the cache file the timings were read from, when they were not measured now
 
     def describe(self) -> str:
         if self.note:
@@ -57,7 +73,8 @@ class LinearChoice:
                 parts.append(f"{i}x{o} mkl")
             else:
                 parts.append(f"{i}x{o} mkl below {threshold} rows, onednn from {threshold}")
-        measured = f" (measured in {self.seconds:.2f} s)" if self.timings else ""
+        measured = f" (measured in {self.seconds:.2f} s" if self.timings else ""
+        measured += f", read from {self.kept_in})" if self.kept_in else ")" if measured else ""
         return f"{self.backend}{measured}: " + "; ".join(parts)
 
 
@@ -113,12 +130,65 @@ def measure(layers: list[PackedLinear | FusedLinears], rows: list[int], repeats:
     return timings
 
 
-def use_linear_backend(model, backend: str, rows: list[int], timings: dict | None = None) -> LinearChoice:
+def timings_key(layers: list[PackedLinear | FusedLinears], rows: list[int]) -> str:
+    """What measured timings depend on, as one string: CPU, torch, threads, row counts, shapes."""
+    shapes = Counter(f"{m.in_features}x{m.out_features}" for m in layers)
+    return (f"{cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads; rows "
+            f"{','.join(map(str, sorted(rows)))}; " + ", ".join(f"{s} x{n}" for s, n in sorted(shapes.items())))
+
+
+def read_timings(cache: pathlib.Path, key: str) -> tuple[dict, float] | None:
+    """(timings, seconds they took) kept in `cache` under `key`, or None: no file, no such key, unreadable."""
+    try:
+        entry = json.loads(cache.read_text())[key]
+        timings = {((i, o), r, library): t for i, o, r, library, t in entry["timings"]}
+        return timings, float(entry["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # an unreadable file is measured again and written anew
+
+
+def keep_timings(cache: pathlib.Path, key: str, timings: dict, seconds: float) -> None:
+    """Add `timings` under `key` to `cache`, replacing the file whole, so a reader never sees half of it."""
+    try:
+        kept = json.loads(cache.read_text())
+        kept = kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):
+        kept = {}
+    kept[key] = {"timings": [[i, o, r, library, t] for ((i, o), r, library), t in sorted(timings.items())],
+                 "seconds": seconds, "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}")
+        partial.write_text(json.dumps(kept, indent=1))
+        os.replace(partial, cache)
+    except OSError:
+        pass  # a read-only home: this engine keeps its choice, the next one measures again
+
+
+def measure_or_read(layers: list[PackedLinear | FusedLinears], rows: list[int],
+                    cache: pathlib.Path | None) -> tuple[dict, float, str]:
+    """(timings, the seconds measuring them took, the file they were read from or "")."""
+    key = timings_key(layers, rows)
+    kept = read_timings(cache, key) if cache is not None else None
+    if kept is not None:
+        return *kept, str(cache)
+    began = time.perf_counter()
+    timings = measure(layers, rows)
+    seconds = time.perf_counter() - began
+    if cache is not None:
+        keep_timings(cache, key, timings, seconds)
+    return timings, seconds, ""
+
+
+def use_linear_backend(model, backend: str, rows: list[int], timings: dict | None = None,
+                       cache: pathlib.Path | None = None) -> LinearChoice:
     """Set which library each of `model`'s linear layers uses, by row count; return the choice.
 
-    backend "mkl" or "onednn" forces it; "auto" measures (or takes `timings`, for tests). A model
-    whose linear layers are plain nn.Linear (load_model(packed=False), a model built by hand, or
-    not a float32 model on a CPU) has only MKL's: "auto" and "mkl" leave it so, "onednn" is refused.
+    backend "mkl" or "onednn" forces it; "auto" measures, or reads what an earlier measurement
+    kept in the JSON file `cache` under the same key (None: always measure), or takes `timings`
+    (for tests). A model whose linear layers are plain nn.Linear (load_model(packed=False), a
+    model built by hand, or not a float32 model on a CPU) has only MKL's: "auto" and "mkl" leave
+    it so, "onednn" is refused.
     """
     if backend not in BACKENDS:
         raise ValueError(f"linear_backend={backend!r} is not one of {list(BACKENDS)}")
@@ -130,15 +200,16 @@ def use_linear_backend(model, backend: str, rows: list[int], timings: dict | Non
                              "minicb.packed_linear.pack_linears packs a CPU float32 model); use 'auto' or 'mkl'")
         return LinearChoice(backend, note="no packed layers, so every matmul is MKL's (or the GPU's)")
     shapes = sorted({(m.in_features, m.out_features) for m in layers})
-    began = time.perf_counter()
+    seconds, kept_in = 0.0, ""
     if backend == "auto":
-        timings = timings if timings is not None else measure(layers, rows)
+        if timings is None:
+            timings, seconds, kept_in = measure_or_read(layers, rows, cache)
         thresholds = pick_thresholds(timings, rows)
     else:
         timings, thresholds = {}, {s: (ALWAYS_MKL if backend == "mkl" else 0) for s in shapes}
     for m in layers:
         m.mkl_below = thresholds[(m.in_features, m.out_features)]
-    return LinearChoice(backend, thresholds, timings, time.perf_counter() - began)
+    return LinearChoice(backend, thresholds, timings, seconds, kept_in=kept_in)
 
 
 # ----------------------------------------------------------------------------
@@ -152,7 +223,6 @@ if __name__ == "__main__":
     import argparse
     import statistics
 
-    from minicb.bench.machine import cpu_model
     from minicb.data import load_chat_prompts
     from minicb.llm import LLM
     from minicb.sampling import SamplingParams

@@ -7,11 +7,14 @@ greedy tokens stay HF's with either library.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from minicb import LLM, SamplingParams
 from minicb.config import EngineConfig
+from minicb import linear_backend
 from minicb.linear_backend import ALWAYS_MKL, pick_thresholds, use_linear_backend
 from minicb.model import random_model
 from minicb.packed_linear import FusedLinears, PackedLinear, available, pack_linears, packed_layers
@@ -89,6 +92,54 @@ def test_auto_times_every_layer_of_a_shape_not_one_again_and_again(monkeypatch):
     use_linear_backend(model, "auto", ROWS)
     for library, ids in seen.items():
         assert ids == {id(m) for m in layers}, f"{library}: timed {len(ids)} of the {len(layers)} products"
+
+
+def counting_measure(monkeypatch) -> list:
+    """Count calls of linear_backend.measure, which still measures."""
+    calls, measure = [], linear_backend.measure
+    monkeypatch.setattr(linear_backend, "measure", lambda *args: calls.append(args) or measure(*args))
+    return calls
+
+
+def test_a_later_engine_reads_the_timings_an_earlier_one_kept(tmp_path, monkeypatch):
+    model, layers = packed_tiny()
+    cache = tmp_path / "linear_choice.json"
+    measured = counting_measure(monkeypatch)
+    first = use_linear_backend(model, "auto", ROWS, cache=cache)
+    second = use_linear_backend(model, "auto", ROWS, cache=cache)
+    assert len(measured) == 1, f"measured {len(measured)} times; the second call should read {cache}"
+    assert second.timings == first.timings and second.thresholds == first.thresholds
+    assert second.seconds == first.seconds and second.kept_in == str(cache) and str(cache) in second.describe()
+    assert not first.kept_in and "read from" not in first.describe()
+
+
+@pytest.mark.parametrize("change", ["rows", "threads", "cpu"])
+def test_timings_kept_for_another_cpu_thread_count_or_rows_are_measured_again(change, tmp_path, monkeypatch):
+    model, _ = packed_tiny()
+    cache = tmp_path / "linear_choice.json"
+    use_linear_backend(model, "auto", ROWS, cache=cache)
+    measured = counting_measure(monkeypatch)
+    rows = [1, 4, 16] if change == "rows" else ROWS
+    if change == "threads":
+        threads = torch.get_num_threads()
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    if change == "cpu":
+        monkeypatch.setattr(linear_backend, "cpu_model", lambda: "Another CPU (family 6, model 143; AVX-512)")
+    choice = use_linear_backend(model, "auto", rows, cache=cache)
+    assert len(measured) == 1 and not choice.kept_in, f"another {change} read the timings kept for this one"
+    assert len(json.loads(cache.read_text())) == 2, "the file should keep both measurements"
+
+
+def test_an_unreadable_cache_is_measured_again_and_written_anew(tmp_path, monkeypatch):
+    model, _ = packed_tiny()
+    cache = tmp_path / "linear_choice.json"
+    cache.write_text('{"half a file')
+    measured = counting_measure(monkeypatch)
+    choice = use_linear_backend(model, "auto", ROWS, cache=cache)
+    assert len(measured) == 1 and not choice.kept_in
+    assert use_linear_backend(model, "auto", ROWS, cache=cache).kept_in == str(cache)
+    use_linear_backend(model, "onednn", ROWS, cache=tmp_path / "forced.json")
+    assert not (tmp_path / "forced.json").exists(), "a forced library measures nothing, so keeps nothing"
 
 
 def test_a_model_without_packed_layers_runs_mkl_and_refuses_onednn():
