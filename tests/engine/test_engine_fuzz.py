@@ -13,6 +13,9 @@ Hypothesis draws a configuration and a workload:
 - chapter 10's decode runner on or off (on a CPU it runs eagerly, padding
   decode steps to its buckets through its static buffers);
 - the CPU decode compiled (Numba) or chapter 04's gather (two attention backends);
+- the linear layers as nn.Linear (MKL), or packed for oneDNN with q/k/v and
+  gate/up fused, each product sent to oneDNN, to MKL or by the measured choice
+  (`linear_backend` onednn, mkl or auto);
 - chapter 11's speculative decoding on or off, n-gram 1 to 3, 1 to 4 drafts;
 - requests with fresh, shared-prefix, repeated and self-repeating prompts
   (where prompt lookup finds drafts), n from 1 to 3, greedy or seeded
@@ -59,6 +62,7 @@ from hypothesis import strategies as st
 from minicb.engine import Engine, EngineConfig
 from minicb.model import random_model
 from minicb.naive import first_difference, generate_with_cache
+from minicb.packed_linear import pack_linears
 from minicb.prefix_cache import block_keys
 from minicb.sampling import SamplingParams, StructuredOutput
 
@@ -66,6 +70,7 @@ from engine_support import tiny_grammars
 
 VOCAB = 256  # the tiny model's
 MODEL = random_model(seed=3)
+PACKED = pack_linears(random_model(seed=3))  # the same weights, packed for oneDNN (minicb/packed_linear.py)
 # The same workloads on every run (see the test below). A deeper one-off run:
 # MINICB_FUZZ_EXAMPLES=400 MINICB_FUZZ_SEED=7 pytest tests/engine/test_engine_fuzz.py
 EXAMPLES = int(os.environ.get("MINICB_FUZZ_EXAMPLES", 200))
@@ -151,6 +156,10 @@ def workloads(draw):
                   cpu_decode=draw(st.sampled_from(["compiled", "gather"])), jump_forward=False,
                   cpu_ops=draw(st.sampled_from(["compiled", "torch"])),
                   cpu_threads=draw(st.sampled_from(["share", "fixed"])))
+    # The packed model, and which library its products take; without the key, the plain nn.Linear model.
+    backend = draw(st.sampled_from([None, "mkl", "onednn", "auto"]))
+    if backend is not None:
+        config["linear_backend"] = backend
     # Speculation needs room for its newest token and at least one draft in the budget.
     if draw(st.integers(0, 2)) and config["max_num_batched_tokens"] >= 2:  # on in 2 of 3
         config["speculative_ngram"] = draw(st.integers(1, 3))
@@ -171,7 +180,8 @@ def serve(config: dict, requests: list, aborts: bool = True):
     {(index, completion): (its tokens' logprobs, the prompt's)} of those that asked).
     Checks the streamed tokens and their scores, and that nothing is left behind.
     """
-    engine = Engine(MODEL, EngineConfig(**config), grammars=tiny_grammars(config.get("jump_forward", False)))
+    model = PACKED if "linear_backend" in config else MODEL  # see workloads()
+    engine = Engine(model, EngineConfig(**config), grammars=tiny_grammars(config.get("jump_forward", False)))
     index_of, streamed, results, aborted, scores = {}, {}, {}, set(), {}
     rid_of, step = {}, 0
     pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
@@ -293,7 +303,8 @@ def test_the_fuzzer_reaches_every_feature():
     # The strategy must actually draw what the docstring promises, or the test above
     # proves less than it says. Draw 300 workloads with the same seed and count.
     seen = {"caching": 0, "chunked": 0, "budget 1": 0, "runner": 0, "speculation": 0, "n > 1": 0, "seeded": 0,
-            "abort": 0, "repeat": 0, "tight pool": 0, "gather decode": 0, "torch norms": 0, "min_tokens with stop tokens": 0,
+            "abort": 0, "repeat": 0, "tight pool": 0, "gather decode": 0, "torch norms": 0,
+            "packed, onednn": 0, "packed, mkl": 0, "packed, auto": 0, "min_tokens with stop tokens": 0,
             "repetition penalty": 0, "presence/frequency penalty": 0, "min_p sampled": 0,
             "rules with speculation": 0, "logprobs": 0, "prompt logprobs with caching": 0,
             "structured": 0, "structured with jump-forward": 0, "structured with speculation": 0,
@@ -315,6 +326,8 @@ def test_the_fuzzer_reaches_every_feature():
         seen["runner"] += config["cuda_graphs"] is True
         seen["gather decode"] += config["cpu_decode"] == "gather"
         seen["torch norms"] += config["cpu_ops"] == "torch"
+        for backend in ("onednn", "mkl", "auto"):
+            seen[f"packed, {backend}"] += config.get("linear_backend") == backend
         seen["speculation"] += "speculative_ngram" in config
         seen["n > 1"] += any(p.n > 1 for _, _, p, _ in requests)
         seen["seeded"] += any(p.seed is not None for _, _, p, _ in requests)
