@@ -42,7 +42,8 @@ How it works: the tests run in a fresh `python -m pytest` with
 MINICB_IMPL=student (or MINICB_IMPL_FILE=PATH) and MINICB_IMPL_ONLY naming
 the chapter's module, so `minicb.impl.load()` hands them your module for this
 chapter and the reference for every other one; and with this file loaded as a
-pytest plugin (`-p minicb.check`). The plugin reads each test's
+pytest plugin (`-p minicb.check`), beside hypothesis' and no other (plugin autoload
+is off in the child). The plugin reads each test's
 `@pytest.mark.task(k)` marker and writes every result to a JSON file that the
 parent reads back. A subprocess keeps your module, and anything it breaks, out
 of the grader's own process.
@@ -54,6 +55,7 @@ the previous chapter. A chapter can pass task by task and still fail there.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -361,13 +363,18 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
         env[TASKS_ENV] = ",".join(map(str, tasks))
     if test_timeout:
         env[TEST_TIMEOUT_ENV] = f"{test_timeout:g}"
+    # The child loads only the plugins the chapter tests use: this file's and hypothesis'. Whatever
+    # else the environment holds (the notebook, schema-fuzzing and LangChain plugins of this project's
+    # own tests, 2-3 s of imports in every grade; a classroom's pytest-randomly, which would reorder
+    # the tests) stays out of the grade.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     with tempfile.TemporaryDirectory() as scratch:
         env[REPORT_ENV] = os.path.join(scratch, "results.json")
         # no:cacheprovider: grading must not leave .pytest_cache behind, nor reorder
-        # tests by what failed last time. no:nbmake: the notebook plugin is not needed
-        # here, and importing it costs every grade about 3 s.
+        # tests by what failed last time.
         command = [sys.executable, "-m", "pytest", *map(str, test_files), "-p", "minicb.check",
-                   "-p", "no:cacheprovider", "-p", "no:nbmake", "-v" if verbose else "-q", "--tb=short", *pytest_args]
+                   *hypothesis_plugin(), "-p", "no:cacheprovider", "-v" if verbose else "-q", "--tb=short",
+                   *pytest_args]
         returncode, output = _run_child(command, env, verbose, timeout, progress)
         if returncode is None:
             return Report(errors=[f"the tests did not finish in {timeout:g} s: a loop that never ends?"],
@@ -382,6 +389,14 @@ def run_tests(chapter: int, exercise_file: str | os.PathLike | None = None,
     report.results = [TestResult(**r) for r in data["results"]]
     report.errors += data["errors"]
     return report
+
+
+def hypothesis_plugin() -> list[str]:
+    """["-p", module]: hypothesis' pytest plugin, as its package names it (an entry point), or [] without one."""
+    for entry in importlib.metadata.entry_points(group="pytest11"):
+        if entry.dist is not None and entry.dist.name.lower() == "hypothesis":
+            return ["-p", entry.value]
+    return []
 
 
 def _run_child(command: list[str], env: dict, verbose: bool, timeout: float | None,
