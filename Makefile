@@ -48,9 +48,13 @@ BROWSER_CHECK ?= $(or $(MINICB_BROWSER_CHECK),$(if $(wildcard /usr/bin/chromium)
 # suite's speed); the engine drops threads on a busy machine by itself (minicb/cpu_threads.py).
 # On a busy laptop, `make test GOMP_SPINCOUNT=0` sleeps at once.
 GOMP_SPINCOUNT ?= 300000
+# pytest-xdist workers: one a core, at most 4 (each loads the real model). A worker takes a whole
+# file at a time (--dist loadfile: a file's fixtures are made once) and cores / workers threads
+# (tests/conftest.py). `make test TEST_WORKERS=0` runs the suite in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: setup
-	GOMP_SPINCOUNT=$(GOMP_SPINCOUNT) $(PY) -m pytest tests notebooks --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) -p no:cacheprovider --durations=15
+	GOMP_SPINCOUNT=$(GOMP_SPINCOUNT) $(PY) -m pytest tests notebooks --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile
 	@if [ "$(BROWSER_CHECK)" = 1 ]; then \
 		$(MAKE) browser-check && $(MAKE) dashboard-check; \
 	else \

@@ -1,4 +1,5 @@
-"""What the tests of tools/ share: a script of tools/ loaded as a module, and quiet children.
+"""What the tests of tools/ share: a script of tools/ loaded as a module, quiet children, and whether a
+file runs whole in this process.
 
 tools/ is a folder of scripts, not a package, so its files are loaded from their path.
 """
@@ -40,3 +41,10 @@ def sleeping_children():
             os.environ.pop(name, None)
             if value is not None:
                 os.environ[name] = value
+
+
+def runs_whole_files(config) -> bool:
+    """Whether this process runs every selected test of a file, so that a fixture may start them all
+    ahead: no pytest-xdist, or xdist handing out whole files (make test's `--dist loadfile`). With
+    `-n N` alone xdist spreads a file's tests over its workers, and each would grade them all."""
+    return config.getoption("dist", "no") in ("no", "loadfile", "loadscope")
