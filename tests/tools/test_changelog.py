@@ -115,10 +115,10 @@ def old_grades(request, tmp_path_factory):
     """The selected chapters' old solutions, graded two at a time (each grade mostly waits on imports)."""
     commit = previous_release()
     newest = entries()[0]
-    selected = [item.callspec.params["module"] for item in request.session.items
+    items = request.session.items if runs_whole_files(request.config) else []
+    selected = [item.callspec.params["module"] for item in items
                 if getattr(item, "callspec", None) and "module" in item.callspec.params
-                and item.originalname == "test_the_previous_release_passes_or_is_listed"
-                and runs_whole_files(request.config)]
+                and item.originalname == "test_the_previous_release_passes_or_is_listed"]
     todo = [m for m in selected if impl.CHAPTERS[m][0] not in newest.chapters]
     folder = tmp_path_factory.mktemp("previous-release")
     with sleeping_children(), ThreadPoolExecutor(max_workers=2) as pool:  # two at once: see tool_support

@@ -390,9 +390,9 @@ def grade(mutant: Mutant, folder) -> check.Report:
 def grades(request, tmp_path_factory):
     """Every selected mutant's grade, two at a time: each is a child pytest that mostly waits on
     imports, so two share the machine's cores well and halve this file's time."""
-    selected = [item.callspec.params["mutant"] for item in request.session.items
-                if getattr(item, "callspec", None) and "mutant" in item.callspec.params
-                and runs_whole_files(request.config)]
+    items = request.session.items if runs_whole_files(request.config) else []
+    selected = [item.callspec.params["mutant"] for item in items
+                if getattr(item, "callspec", None) and "mutant" in item.callspec.params]
     folder = tmp_path_factory.mktemp("mutants")
     with sleeping_children(), ThreadPoolExecutor(max_workers=2) as pool:  # two at once: see tool_support
         ahead = {id(m): pool.submit(grade, m, folder) for m in selected}
