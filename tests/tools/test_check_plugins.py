@@ -2,7 +2,7 @@
 
 `check` runs the tests in a child pytest with plugin autoload off and two plugins
 named: its own (minicb.check) and hypothesis'. This project's own test plugins
-(nbmake, schemathesis, langsmith: 2-4 s of imports in every grade) and whatever
+(nbmake, schemathesis, langsmith: about 2.5 s of imports in every grade) and whatever
 a classroom's environment holds (pytest-randomly would reorder the graded tests)
 stay out. The submission here is chapter 3's reference that refuses to load
 beside any of them.
