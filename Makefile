@@ -51,7 +51,7 @@ GOMP_SPINCOUNT ?= 300000
 # pytest-xdist workers: one a core, at most 4 (each loads the real model). A worker takes a whole
 # file at a time (--dist loadfile: a file's fixtures are made once) and cores / workers threads
 # (tests/conftest.py). `make test TEST_WORKERS=0` runs the suite in one process.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: setup
 	GOMP_SPINCOUNT=$(GOMP_SPINCOUNT) $(PY) -m pytest tests notebooks --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile

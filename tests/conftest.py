@@ -38,7 +38,8 @@ def pytest_configure(config):
     # of two threads each on two cores would take turns at every operator instead.
     workers = getattr(config.option, "numprocesses", None)
     if isinstance(workers, int) and workers > 1 and "PYTEST_XDIST_WORKER" not in os.environ:
-        per_worker = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: no affinity
+        per_worker = str(max(1, cores // workers))
         for name in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):
             os.environ.setdefault(name, per_worker)
 
