@@ -27,6 +27,11 @@ with AVX2 (Zen 3), in turns: a 32-slot decode step 112.7 against 117.9 ms on 2
 threads, 184.9 against 199.9 on one; alone, over 30 layers, 15.7 against 31.8 ms
 from memory and 17.4 against 31.0 in cache (docs/results.md).
 
+It is compiled once for each shape of heads: with the head size and the number of
+query heads per KV head as constants, the compiler unrolls each 64-long dot product
+into whole SIMD registers. A 32-slot step on the Zen 3 took 4-6% less than with the
+shapes read at run time (docs/results.md).
+
 It is what the engine's "torch" backend runs for decodes on a CPU, in fp32, when
 Numba is installed (it is a dependency of minicb): the backend CpuDecodeAttention
 (minicb/attention_backends.py). `EngineConfig(cpu_decode="gather")`, or the flag
@@ -74,12 +79,28 @@ PREFETCH_AHEAD = 8
 
 
 @functools.cache
-def _compiled_kernel():
-    """The Numba kernel, compiled on first use (a few seconds, then cached on disk); None without Numba."""
+def _has_numba() -> bool:
     try:
-        from numba import njit, prange
+        import numba  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _compiled_kernel(head_dim: int, group: int):
+    """The Numba kernel for one shape of heads, compiled on first use (a few seconds, then cached on
+    disk); None without Numba.
+
+    head_dim and group (query heads per KV head) are constants of the compiled code, not
+    numbers it reads from its arrays at run time. Knowing that a dot product is 64 long,
+    the compiler unrolls it into whole SIMD registers with no loop for a remainder, and
+    h // 3 becomes a multiply. Each shape is a compile of its own, once: SmolLM2 has one,
+    (64, 3). Measured in docs/results.md ("The decode kernel compiled for the model's heads").
+    """
+    if not _has_numba():
         return None
+    from numba import njit, prange
     # A module global, not a local the kernel would close over: Numba keys its disk cache on
     # what a kernel closes over, and an intrinsic is a new object in every process, so the
     # kernel would be compiled again (3 s) in each.
@@ -91,9 +112,9 @@ def _compiled_kernel():
     # as SIMD instructions; the result differs from SDPA's only in the last bits.
     @njit(parallel=True, fastmath=True, cache=True)
     def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out, ahead):
-        num_seqs, n_q_heads, head_dim = q.shape
+        # head_dim and group: the closure's constants, which the caller took from these arrays
+        num_seqs, n_q_heads = q.shape[0], q.shape[1]
         num_blocks, block_size, n_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-        group = n_q_heads // n_kv_heads  # query heads sharing one KV head (GQA)
         # Numba checks no index: a block id outside the pool would read whatever memory
         # lies there. So each job counts the blocks it refuses to read, and the caller
         # raises if any was (a parallel loop cannot raise itself).
@@ -258,7 +279,7 @@ _chosen_threads: int | None = None  # set_num_threads's n, the ceiling of minicb
 
 def applies_to(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this kernel can decode a pool on `device` in `dtype`: fp32 on the CPU, with Numba installed."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and _compiled_kernel() is not None
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and _has_numba()
 
 
 def paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, scale=None,
@@ -276,8 +297,9 @@ def paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables, context_
         import numba
         if numba.get_num_threads() != _numba_threads:  # this thread has not taken the setting yet
             numba.set_num_threads(_numba_threads)
-    refused = _compiled_kernel()(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
-                                 context_lens.numpy(), np.float32(scale), out.numpy(), prefetch_ahead)
+    kernel = _compiled_kernel(q.shape[2], q.shape[1] // k_cache.shape[2])  # head_dim, query heads per KV head
+    refused = kernel(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(), context_lens.numpy(),
+                     np.float32(scale), out.numpy(), prefetch_ahead)
     if refused:
         raise ValueError(_outside_the_pool(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1]))
     return out
@@ -313,7 +335,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if not (q.device.type == "cpu" and q.dtype == torch.float32):
         raise ValueError(f"the compiled CPU kernel takes float32 tensors on the CPU, got {q.dtype} on {q.device}; "
                          f"use minicb.paged_attention (any device and dtype) or minicb.triton_attention (CUDA)")
-    if _compiled_kernel() is None:
+    if not _has_numba():
         raise RuntimeError("the compiled CPU kernel needs Numba: pip install numba")
     return paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables.to(torch.int32),
                                             context_lens.to(torch.int32), scale)

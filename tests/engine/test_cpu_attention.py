@@ -14,7 +14,7 @@ from minicb.paged_attention import paged_decode_attention_gather
 
 from engine_support import tokens_with_each_setting
 
-pytestmark = pytest.mark.skipif(cpu_attention._compiled_kernel() is None, reason="needs Numba")
+pytestmark = pytest.mark.skipif(not cpu_attention._has_numba(), reason="needs Numba")
 
 
 def scattered_pool(context_lens, n_q_heads, n_kv_heads, head_dim, block_size, seed=0):
@@ -188,7 +188,7 @@ kernels = cpu_ops._kernels()
 x = np.ones((2, 8), np.float32)
 kernels.rms_norm(x, x[0], np.float32(1e-5)); kernels.swiglu(x, x)
 kernels.rotary(q.numpy(), k[0].numpy(), x, x)
-for name, fn in [("decode", cpu_attention._compiled_kernel()), ("store", cpu_attention._compiled_store()),
+for name, fn in [("decode", cpu_attention._compiled_kernel(8, 2)), ("store", cpu_attention._compiled_store()),
                  *vars(kernels).items()]:
     print(name, sum(fn.stats.cache_hits.values()), sum(fn.stats.cache_misses.values()))
 """
