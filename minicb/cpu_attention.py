@@ -80,6 +80,7 @@ PREFETCH_AHEAD = 8
 
 @functools.cache
 def _has_numba() -> bool:
+    """Whether Numba imports (it is a dependency of minicb, but a broken install should cost only speed)."""
     try:
         import numba  # noqa: F401
     except ImportError:
