@@ -29,8 +29,8 @@ from memory and 17.4 against 31.0 in cache (docs/results.md).
 
 It is compiled once for each shape of heads: with the head size and the number of
 query heads per KV head as constants, the compiler unrolls each 64-long dot product
-into whole SIMD registers. A 32-slot step on the Zen 3 took 4-6% less than with the
-shapes read at run time (docs/results.md).
+into whole SIMD registers. A 32-slot step on the Zen 3 took 5-6% less than with the
+shapes read at run time on 2 threads, 4% less on one (docs/results.md).
 
 It is what the engine's "torch" backend runs for decodes on a CPU, in fp32, when
 Numba is installed (it is a dependency of minicb): the backend CpuDecodeAttention
