@@ -111,24 +111,47 @@ def smollm2(device):
 
 
 @pytest.fixture(scope="session")
-def chapter01_answers(smollm2):
+def chapter01_answers(smollm2, request, tmp_path_factory):
     """answers(n, max_tokens) -> the reference chapter 01 greedy Generations of the first n prompts.
 
     Chapter 01 decodes one prompt at a time, the slowest part of the real-model
-    tests, so each answer is computed once per session and shared (chapters 02
+    tests, so each answer is computed once per run and shared (chapters 02
     and 06 both compare against it). It is computed on first use: a test calls
     the code under test first, so against the stubs it fails in seconds.
+
+    Under pytest-xdist each worker is a process of its own, and the two chapters'
+    files may run on different ones. So a worker also writes each answer it
+    computes to a folder named for this run (its test-run id, under the base temp
+    folder the workers share), and reads one another worker wrote there instead of
+    computing it again. Nothing outlives the run: another run has another id, and a
+    process that is no worker of this run (a grade's child pytest) keeps to itself.
     """
-    from minicb.naive import generate_with_cache  # the reference: it is the oracle
+    import json
+
+    from minicb.naive import Generation, generate_with_cache  # the reference: it is the oracle
     from minicb.sampling import SamplingParams
 
     model, _, prompts = smollm2
     cache = {}
+    worker = getattr(request.config, "workerinput", None)  # set in xdist's workers only
+    shared = tmp_path_factory.getbasetemp().parent / f"chapter01-{worker['testrunuid']}" if worker else None
+
+    def answer(i: int, max_tokens: int) -> Generation:
+        path = shared / f"{i}-{max_tokens}.json" if shared else None
+        if path is not None and path.is_file():
+            return Generation(**json.loads(path.read_text()))
+        generation = generate_with_cache(model, prompts[i], SamplingParams(max_tokens=max_tokens))
+        if path is not None:  # written whole under another name, then renamed: never read half-written
+            shared.mkdir(exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}")
+            partial.write_text(json.dumps(vars(generation)))
+            os.replace(partial, path)
+        return generation
 
     def answers(n: int, max_tokens: int):
         for i in range(n):
             if (i, max_tokens) not in cache:
-                cache[i, max_tokens] = generate_with_cache(model, prompts[i], SamplingParams(max_tokens=max_tokens))
+                cache[i, max_tokens] = answer(i, max_tokens)
         return [cache[i, max_tokens] for i in range(n)]
 
     return answers

@@ -24,6 +24,9 @@ from minicb.naive import first_difference, generate_with_cache
 GRADED_MODULE = "chunked_prefill"  # the one_task fixture (conftest.py) grades one task at a time
 pytestmark = pytest.mark.usefixtures("one_task")
 BUDGETS = [1, 7, 16, 64, 4096]
+# On SmolLM2 a 1-token budget means one forward per prompt token (half of this file's time), and
+# the tiny model's tests run it; 2 keeps its case on the real model: a decode and a 1-token chunk.
+SMOLLM2_BUDGETS = [2, 7, 16, 64, 4096]
 TIGHT_SMOLLM2_BLOCKS = 60  # blocks of 4: the three SmolLM2 prompts fit, but not all of their 16-token answers
 SYSTEM = [(17 * i) % 200 + 3 for i in range(30)]  # a shared 30-token start, so the cache has work
 
@@ -228,7 +231,7 @@ def test_smollm2_any_budget_gives_chapter06s_tokens(smollm2):
                                                   {"role": "user", "content": questions[2]}]))
     params = SamplingParams(max_tokens=16)
     want = LLM.from_model(model, tokenizer, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
-    for budget in BUDGETS:
+    for budget in SMOLLM2_BUDGETS:
         roomy = LLM.from_model(model, tokenizer, max_num_seqs=4, enable_chunked_prefill=True,
                                max_num_batched_tokens=budget)
         assert_same(roomy.generate(prompts, params, use_tqdm=False), want, f"SmolLM2, budget {budget}, no caching")
@@ -240,9 +243,10 @@ def test_smollm2_any_budget_gives_chapter06s_tokens(smollm2):
         outs = tight.generate(prompts[::-1], params, use_tqdm=False)
         assert_same(outs, want[::-1], f"SmolLM2, budget {budget}, caching, {TIGHT_SMOLLM2_BLOCKS} blocks of 4")
         preempted = sum(len(t.preempted) for t in tight.traces)
-        # At budget 1 one request computes at a time (a decode spends the whole budget), so
-        # nothing runs beside anything to be preempted for; the tiny model's tests cover it.
-        assert budget == 1 or preempted > 0, (
+        # At budget 2 the long prompt's prefill takes the whole budget, and then each answer of 16
+        # tokens ends before the next prompt's prefill, fed a token a step beside it, does: no two
+        # answers ever grow side by side, so nothing is preempted. The tiny model's tests cover it.
+        assert budget == 2 or preempted > 0, (
             f"budget {budget}: the {TIGHT_SMOLLM2_BLOCKS}-block pool forced no preemption, so this "
             f"case tested nothing; make the pool smaller")
 
