@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minicb.sampling import SamplingParams, greedy_tokens, probabilities
+from minicb.sampling import SamplingParams, draw, greedy_tokens, probabilities
 
 if TYPE_CHECKING:
     from minicb.block_allocator import BlockAllocator
@@ -99,9 +99,9 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int], dra
             tokens.append(x)
             continue
         residual = (p - q).clamp(min=0)
-        tokens.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        tokens.append(draw(residual / residual.sum(), generator))
         return tokens
-    tokens.append(int(torch.multinomial(target_probs[len(draft_token_ids)], 1, generator=generator)))
+    tokens.append(draw(target_probs[len(draft_token_ids)], generator))
     return tokens
 
 

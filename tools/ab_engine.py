@@ -3,12 +3,13 @@
 Two engines in two processes differ by 15-25% on a shared machine from the
 processes alone (thread pools, memory placement), which hides a change of a
 few percent. Here the old commit's `minicb` package is extracted from git
-under another name, both engines run the same greedy workload on the same
-loaded weights, and the runs alternate (old, new, new, old, ...), so drift in
+under another name, both engines run the same workload (greedy, or sampled with
+`--temperature`, each request seeded) on the same loaded weights, and the runs alternate (old, new, new, old, ...), so drift in
 the machine's load falls on both.
 
     python tools/ab_engine.py 946091c                       # 48 chat prompts, 64 tokens, 4 rounds
     python tools/ab_engine.py 946091c --num-prompts 32 --max-tokens 96 --rounds 6
+    python tools/ab_engine.py 8353540 --temperature 1                # sampled requests
 
 Prints each run's tokens/s and the new/old ratio of every round.
 """
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, request i seeded with i")
     args = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="minicb-ab-"))
     extract(args.commit, tmp)
@@ -68,8 +70,10 @@ def main() -> None:
 
     def run(engine_module, sampling_module) -> float:
         engine = engine_module.Engine(model, engine_module.EngineConfig(max_num_seqs=args.slots, num_blocks=blocks))
-        for r in requests:
-            engine.add_request(r.prompt_ids, sampling_module.SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+        for i, r in enumerate(requests):
+            sampled = {"temperature": args.temperature, "seed": i} if args.temperature > 0 else {}
+            engine.add_request(r.prompt_ids, sampling_module.SamplingParams(max_tokens=r.max_tokens, ignore_eos=True,
+                                                                            **sampled))
         start, tokens = time.perf_counter(), 0
         while engine.has_unfinished():
             tokens += len(engine.step().new_tokens)

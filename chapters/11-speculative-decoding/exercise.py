@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minicb.sampling import SamplingParams, probabilities
+from minicb.sampling import SamplingParams, draw, probabilities
 
 if TYPE_CHECKING:
     from minicb.block_allocator import BlockAllocator

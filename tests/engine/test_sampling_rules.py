@@ -30,8 +30,8 @@ from minicb import LLM
 from minicb.engine import Engine, EngineConfig
 from minicb.model import DenseAttention, random_model, tiny_config
 from minicb.naive import first_difference, generate_with_cache
-from minicb.sampling import (SamplingParams, apply_rules, finish_reason, greedy_tokens, make_generator, probabilities,
-                             sample)
+from minicb.sampling import (SamplingParams, apply_rules, draw, finish_reason, greedy_tokens, make_generator,
+                             probabilities, sample)
 from test_ch11_distribution import chi_square, worst_cells
 
 VOCAB = 64
@@ -223,6 +223,20 @@ def test_sampled_rows_draw_from_the_processed_distribution():
     sigma = (want * (1 - want) / draws).sqrt()
     assert ((seen - want).abs() <= 5 * sigma + 1e-9).all(), (
         f"frequencies {seen.tolist()} vs HF's probabilities {want.tolist()} (5 sigma: {(5 * sigma).tolist()})")
+
+
+def test_draw_follows_the_probabilities_and_its_generator():
+    # Zeros first, between and last: a token of probability 0 owns no stretch of the running sums.
+    probs = torch.tensor([0.0, 0.05, 0.0, 0.6, 0.25, 0.1, 0.0])
+    generator, draws = torch.Generator().manual_seed(3), 20_000
+    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(draws)]), minlength=len(probs))
+    assert len(counts) == len(probs) and (counts[probs == 0] == 0).all(), f"drew a token of probability 0: {counts.tolist()}"
+    sigma = (probs * (1 - probs) / draws).sqrt()
+    assert ((counts / draws - probs).abs() <= 5 * sigma).all(), (
+        f"frequencies {(counts / draws).tolist()} vs probabilities {probs.tolist()} (5 sigma: {(5 * sigma).tolist()})")
+    # Every draw comes from the generator it is given: a seed repeats, and another seed differs.
+    streams = [[draw(probs, g) for _ in range(40)] for g in (torch.Generator().manual_seed(seed) for seed in (7, 7, 8))]
+    assert streams[0] == streams[1] != streams[2], f"seeds 7, 7 and 8 drew {streams}"
 
 
 # ----------------------------------------------------------------------------
