@@ -4,8 +4,8 @@ Two engines in two processes differ by 15-25% on a shared machine from the
 processes alone (thread pools, memory placement), which hides a change of a
 few percent. Here the old commit's `minicb` package is extracted from git
 under another name, both engines run the same workload (greedy, or sampled with
-`--temperature`, each request seeded) on the same loaded weights, and the runs alternate (old, new, new, old, ...), so drift in
-the machine's load falls on both.
+`--temperature`, each request seeded) on the same loaded weights, and the runs
+alternate (old, new, new, old, ...), so drift in the machine's load falls on both.
 
     python tools/ab_engine.py 946091c                       # 48 chat prompts, 64 tokens, 4 rounds
     python tools/ab_engine.py 946091c --num-prompts 32 --max-tokens 96 --rounds 6

@@ -24,7 +24,7 @@ from minicb.naive import first_difference, generate_with_cache
 GRADED_MODULE = "chunked_prefill"  # the one_task fixture (conftest.py) grades one task at a time
 pytestmark = pytest.mark.usefixtures("one_task")
 BUDGETS = [1, 7, 16, 64, 4096]
-# On SmolLM2 a 1-token budget means one forward per prompt token (half of this file's time), and
+# On SmolLM2 a 1-token budget means one forward per prompt token (two thirds of its test's time), and
 # the tiny model's tests run it; 2 keeps its case on the real model: a decode and a 1-token chunk.
 SMOLLM2_BUDGETS = [2, 7, 16, 64, 4096]
 TIGHT_SMOLLM2_BLOCKS = 60  # blocks of 4: the three SmolLM2 prompts fit, but not all of their 16-token answers

@@ -230,7 +230,8 @@ def test_draw_follows_the_probabilities_and_its_generator():
     probs = torch.tensor([0.0, 0.05, 0.0, 0.6, 0.25, 0.1, 0.0])
     generator, draws = torch.Generator().manual_seed(3), 20_000
     counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(draws)]), minlength=len(probs))
-    assert len(counts) == len(probs) and (counts[probs == 0] == 0).all(), f"drew a token of probability 0: {counts.tolist()}"
+    assert len(counts) == len(probs) and (counts[probs == 0] == 0).all(), (
+        f"drew a token of probability 0: {counts.tolist()}")
     sigma = (probs * (1 - probs) / draws).sqrt()
     assert ((counts / draws - probs).abs() <= 5 * sigma).all(), (
         f"frequencies {(counts / draws).tolist()} vs probabilities {probs.tolist()} (5 sigma: {(5 * sigma).tolist()})")
