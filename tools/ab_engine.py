@@ -10,6 +10,7 @@ alternate (old, new, new, old, ...), so drift in the machine's load falls on bot
     python tools/ab_engine.py 946091c                       # 48 chat prompts, 64 tokens, 4 rounds
     python tools/ab_engine.py 946091c --num-prompts 32 --max-tokens 96 --rounds 6
     python tools/ab_engine.py 8353540 --temperature 1                # sampled requests
+    python tools/ab_engine.py 2313caf --temperature 1 --top-p 0.9    # sampled from the nucleus
 
 Prints each run's tokens/s and the new/old ratio of every round.
 """
@@ -51,7 +52,10 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, request i seeded with i")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: sample from this nucleus")
     args = ap.parse_args()
+    if args.top_p != 1.0 and args.temperature == 0:
+        ap.error(f"--top-p {args.top_p} needs --temperature above 0: greedy requests take no nucleus")
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="minicb-ab-"))
     extract(args.commit, tmp)
     sys.path.insert(0, str(tmp))
@@ -71,7 +75,7 @@ def main() -> None:
     def run(engine_module, sampling_module) -> float:
         engine = engine_module.Engine(model, engine_module.EngineConfig(max_num_seqs=args.slots, num_blocks=blocks))
         for i, r in enumerate(requests):
-            sampled = {"temperature": args.temperature, "seed": i} if args.temperature > 0 else {}
+            sampled = {"temperature": args.temperature, "top_p": args.top_p, "seed": i} if args.temperature > 0 else {}
             engine.add_request(r.prompt_ids, sampling_module.SamplingParams(max_tokens=r.max_tokens, ignore_eos=True,
                                                                             **sampled))
         start, tokens = time.perf_counter(), 0

@@ -30,8 +30,8 @@ from minicb import LLM
 from minicb.engine import Engine, EngineConfig
 from minicb.model import DenseAttention, random_model, tiny_config
 from minicb.naive import first_difference, generate_with_cache
-from minicb.sampling import (SamplingParams, apply_rules, draw, finish_reason, greedy_tokens, make_generator,
-                             probabilities, sample)
+from minicb.sampling import (SamplingParams, apply_rules, draw, filter_logits, finish_reason, greedy_tokens,
+                             make_generator, probabilities, sample)
 from test_ch11_distribution import chi_square, worst_cells
 
 VOCAB = 64
@@ -238,6 +238,25 @@ def test_draw_follows_the_probabilities_and_its_generator():
     # Every draw comes from the generator it is given: a seed repeats, and another seed differs.
     streams = [[draw(probs, g) for _ in range(40)] for g in (torch.Generator().manual_seed(seed) for seed in (7, 7, 8))]
     assert streams[0] == streams[1] != streams[2], f"seeds 7, 7 and 8 drew {streams}"
+
+
+def sorted_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p over the whole row sorted, in float64: the rule as written, to hold filter_logits' search to it."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = sorted_logits.double().softmax(-1)
+    drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+    drop_sorted[0] = False
+    return logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 10.0])  # flat (a nucleus of most of the row), spread, peaked
+@pytest.mark.parametrize("top_p", [1e-6, 0.5, 0.9, 0.999])
+def test_top_p_keeps_what_sorting_the_whole_row_keeps(scale, top_p):
+    logits = torch.randn(49_152, generator=torch.Generator().manual_seed(11)) * scale
+    got, want = filter_logits(logits, 0, top_p), sorted_top_p(logits, top_p)
+    kept, should = torch.isfinite(got), torch.isfinite(want)
+    assert torch.equal(got, want), (f"top_p {top_p}, logits x {scale}: kept {int(kept.sum())} tokens, the sort "
+                                    f"keeps {int(should.sum())}; they differ at {(kept != should).nonzero()[:5, 0].tolist()}")
 
 
 # ----------------------------------------------------------------------------
