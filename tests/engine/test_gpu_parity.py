@@ -7,6 +7,8 @@ chapter's on the same weights, so whatever the weights are, the answers agree.
   backend (and CUDA graphs, where the engine turns them on by default).
 - Chapter 05's Triton kernels give chapter 04's logits for a mixed step, in bf16.
 - Decode steps replayed from CUDA graphs give the eager engine's tokens.
+- Sampling on the device: `draw` follows its probabilities and its generator, top-p
+  keeps the CPU's nucleus, and seeded sampled requests repeat through the engine.
 
 make gpu-check runs this file with MINICB_DEVICE=cuda, at SmolLM2's shape. On a
 CPU (here, and in the dry run of tools/gpu_check.sh) the same tests run on the
@@ -25,7 +27,7 @@ from minicb.cuda_graphs import DecodeGraphs
 from minicb.engine import Engine, EngineConfig
 from minicb.model import ModelConfig, random_model, tiny_config
 from minicb.paged_model import PagedAttention
-from minicb.sampling import SamplingParams
+from minicb.sampling import SamplingParams, draw, filter_logits
 
 from engine_support import paged_step
 
@@ -103,3 +105,39 @@ def test_triton_equals_torch_on_a_mixed_step_in_bf16(device):
     scale = logits["torch"].abs().max().item()
     diff = (logits["triton"] - logits["torch"]).abs().max().item()
     assert diff <= 3e-2 * scale, f"Triton's logits differ from chapter 04's by {diff:.3g} (largest logit {scale:.3g})"
+
+
+def test_sampling_on_the_device_follows_its_probabilities(device):
+    # draw: tokens of probability 0 never come, the rest within 5 sigma of theirs, from the device's generator.
+    probs = torch.tensor([0.0, 0.05, 0.0, 0.6, 0.25, 0.1, 0.0], device=device)
+    generator, draws = torch.Generator(device=device).manual_seed(3), 4000
+    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(draws)]), minlength=7).double()
+    want = probs.double().cpu()
+    assert (counts[want == 0] == 0).all(), f"drew a token of probability 0 on {device}: {counts.tolist()}"
+    assert ((counts / draws - want).abs() <= 5 * (want * (1 - want) / draws).sqrt()).all(), (
+        f"frequencies on {device} {(counts / draws).tolist()} vs probabilities {want.tolist()}")
+    # top-p: the nucleus the CPU finds. The device's softmax may round otherwise, so a token may differ
+    # only where the more likely tokens' share is top_p to within float32's rounding.
+    logits = torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 4
+    shares = logits.double().softmax(-1)
+    for top_p in (0.5, 0.9):
+        here = torch.isfinite(filter_logits(logits.to(device), 0, top_p).cpu())
+        there = torch.isfinite(filter_logits(logits, 0, top_p))
+        for token in (here != there).nonzero()[:, 0].tolist():
+            before = shares[shares > shares[token]].sum().item()
+            assert abs(before - top_p) < 1e-5, (
+                f"top_p {top_p}: token {token} kept {bool(here[token])} on {device}, {bool(there[token])} on the CPU; "
+                f"the tokens before it hold {before}")
+    # Through the engine: the same seeds give the same tokens twice.
+    model = model_for(device)
+    prompts = [[5, 9, 14, 3, 22][: i + 1] * 3 for i in range(5)]
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True) for i in range(5)]
+    runs = []
+    for _ in range(2):
+        engine = Engine(model, EngineConfig(max_num_seqs=4))
+        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({seq.request_id: seq.output_token_ids for seq in engine.step().finished})
+        runs.append([done[i] for i in ids])
+    assert runs[0] == runs[1], f"seeded sampled requests on {device} gave {runs[0]}, then {runs[1]}"

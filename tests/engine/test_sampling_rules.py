@@ -255,8 +255,9 @@ def test_top_p_keeps_what_sorting_the_whole_row_keeps(scale, top_p):
     logits = torch.randn(49_152, generator=torch.Generator().manual_seed(11)) * scale
     got, want = filter_logits(logits, 0, top_p), sorted_top_p(logits, top_p)
     kept, should = torch.isfinite(got), torch.isfinite(want)
-    assert torch.equal(got, want), (f"top_p {top_p}, logits x {scale}: kept {int(kept.sum())} tokens, the sort "
-                                    f"keeps {int(should.sum())}; they differ at {(kept != should).nonzero()[:5, 0].tolist()}")
+    assert torch.equal(got, want), (
+        f"top_p {top_p}, logits x {scale}: kept {int(kept.sum())} tokens, the sort keeps {int(should.sum())}; "
+        f"they differ at {(kept != should).nonzero()[:5, 0].tolist()}")
 
 
 # ----------------------------------------------------------------------------
