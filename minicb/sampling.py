@@ -198,9 +198,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float =
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         # The nucleus: the most likely tokens, in order, until their probabilities reach top_p.
-        # It is rarely more than a few hundred of the 49,152, so look at the top 64 first and at
-        # 4 times as many only while they fall short: a top-k is one pass over the row, where
-        # torch.sort of the whole row took 7.6 ms on a CPU.
+        # On SmolLM2's chat logits it held 1 to 902 of the 49,152 (top_p 0.9 and 0.95), so look at
+        # the top 64 first and at 4 times as many only while they fall short: a top-k is one pass
+        # over the row, where torch.sort of the whole row took 7.6 ms on a CPU.
         probs = logits.softmax(-1)
         k = min(64, len(probs))
         while True:
