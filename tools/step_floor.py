@@ -18,18 +18,29 @@ plain `nn.Linear` (torch's default BLAS, MKL); the step also with each setting
 of `--cpu-ops` (the compiled norms, rotary and SwiGLU of minicb/cpu_ops.py, or chapter
 00's PyTorch). All in turns in one process, so that load from other programs
 falls on each alike. Each figure is a median.
+
+`--knockout` then takes the step apart: the same decode step with one piece
+replaced by nothing (the decode attention, the K/V store, the norms, rotary,
+SwiGLU; then all five), in turns with the whole step and the floor. The tokens
+of such a step are wrong; only its time counts. What a piece saves is what it
+costs inside the step, where a piece timed alone costs less (docs/results.md,
+"What a 2-thread step pays beyond its products").
+
+    .venv/bin/python tools/step_floor.py --slots 32 --threads 2 --knockout
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 from torch.profiler import profile
 
+from minicb.attention_backends import CpuDecodeAttention
 from minicb.cpu_attention import set_num_threads
-from minicb.cpu_ops import SETTINGS, use_cpu_ops
+from minicb.cpu_ops import SETTINGS, CompiledMLP, CompiledRMSNorm, CompiledRotary, use_cpu_ops
 from minicb.engine import Engine, EngineConfig
 from minicb.packed_linear import packed_layers
 from minicb.sampling import SamplingParams
@@ -84,6 +95,56 @@ def decoding_engine(model, slots: int, context: int, steps: int, cpu_ops: str = 
     return engine
 
 
+# Each piece of a decode step and what stands in for it: (class, method, nothing). "Nothing"
+# returns a tensor of the right shape without computing anything.
+PIECES = {
+    "decode attention": (CpuDecodeAttention, "decode", lambda self, q, k_cache, v_cache, plan: torch.zeros_like(q)),
+    "K/V store": (CpuDecodeAttention, "store_kv", lambda self, k, v, k_cache, v_cache, slot_mapping: None),
+    "norms": (CompiledRMSNorm, "forward", lambda self, x: x),
+    "rotary": (CompiledRotary, "forward", lambda self, q, k, cos, sin: (q, k)),
+    "SwiGLU": (CompiledMLP, "swiglu", lambda self, gate, up: gate),
+}
+
+
+@contextlib.contextmanager
+def without(*names: str):
+    """The named PIECES replaced by nothing inside the block, put back after it."""
+    saved = [(cls, method, cls.__dict__[method]) for cls, method, _ in (PIECES[n] for n in names)]
+    try:
+        for name in names:
+            cls, method, nothing = PIECES[name]
+            setattr(cls, method, nothing)
+        yield
+    finally:
+        for cls, method, original in saved:
+            setattr(cls, method, original)
+
+
+def knockout(model, slots: int, context: int, rounds: int) -> None:
+    """Print the step whole, without each piece, without all of them, and the floor: in turns."""
+    runs = [()] + [(name,) for name in PIECES] + [tuple(PIECES)]
+    engine = decoding_engine(model, slots, context, len(runs) * rounds + 2)
+    if not isinstance(engine.attention, CpuDecodeAttention):
+        raise SystemExit(f"--knockout takes apart the CPU decode of minicb/cpu_attention.py; this engine runs "
+                         f"{type(engine.attention).__name__} (is Numba installed?)")
+
+    def step_without(names):
+        def step():
+            with without(*names):
+                engine.step()
+        return step
+    ms = median_ms_in_turns([step_without(names) for names in runs] + [floor_fn(model, slots)], rounds)
+    whole, floor = ms[0], ms[-1]
+    print(f"\n{slots} slots, {torch.get_num_threads()} thread(s): each piece replaced by nothing, median of "
+          f"{rounds} steps each, in turns\n")
+    print("| step without | step ms | saved ms | step / floor |")
+    print("|---|---:|---:|---:|")
+    labels = ["(nothing: the whole step)"] + list(PIECES) + ["all five"]
+    for label, step in zip(labels, ms[:-1]):
+        print(f"| {label} | {step:.1f} | {whole - step:+.1f} | {step / floor:.2f} |")
+    print(f"| (the floor: its products alone) | {floor:.1f} | {whole - floor:+.1f} | 1.00 |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32], help="requests decoding together")
@@ -95,6 +156,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="timed runs of each step and floor, in turns")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of a step")
     ap.add_argument("--rows", type=int, default=12, help="profiler rows to print")
+    ap.add_argument("--knockout", action="store_true",
+                    help="also time the step (oneDNN packed, compiled) with each piece replaced by nothing")
     args = ap.parse_args()
 
     models = {"oneDNN packed": load_model(), "nn.Linear (MKL)": load_model(packed=False)}
@@ -127,6 +190,11 @@ def main() -> None:
         print(f"\ntop operators of engine.step(), oneDNN packed, {ops} norms, rotary and SwiGLU, {slots} slots, "
               f"{threads} thread(s), 2 steps")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.knockout:
+        for threads in args.threads:
+            set_num_threads(threads)
+            for slots in args.slots:  # decoding_engine switches the model to the compiled ops
+                knockout(models["oneDNN packed"], slots, args.context, args.rounds)
 
 
 if __name__ == "__main__":

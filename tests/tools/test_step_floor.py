@@ -54,3 +54,27 @@ def test_decoding_engine_steps_decode_every_slot(tool):
     assert batch.is_decode_only and batch.num_seqs == 3, \
         f"the timed step should decode 3 slots; it has {batch.num_seqs} sequences, {batch.num_decodes} decode rows"
     assert not engine.scheduler.waiting, "a request is still waiting: its prefill would land in the timed steps"
+
+
+def test_knockout_takes_each_piece_out_of_the_step_and_puts_it_back(tool):
+    engine = tool.decoding_engine(random_model(tiny_config()), slots=2, context=20, steps=2 * len(tool.PIECES) + 4)
+    assert isinstance(engine.attention, tool.CpuDecodeAttention), \
+        f"the engine runs {type(engine.attention).__name__}, not the CPU decode the knockout takes apart"
+    for name, (cls, method, nothing) in tool.PIECES.items():
+        original = cls.__dict__[method]
+        calls = []
+
+        def counted(*args, original=original):
+            calls.append(1)
+            return original(*args)
+        setattr(cls, method, counted)
+        try:
+            with tool.without(name):
+                engine.step()
+            assert not calls, f"the step ran {name} {len(calls)} times while it was taken out"
+            engine.step()
+            assert calls, f"the step never ran {name} once it was put back"
+        finally:
+            setattr(cls, method, original)
+    assert all(cls.__dict__[method] is not nothing for cls, method, nothing in tool.PIECES.values()), \
+        "a piece was left replaced by nothing"
