@@ -41,8 +41,25 @@ def test_each_timed_call_comes_right_after_its_before(tool):
     assert us >= 0
 
 
-def test_every_probe_is_timed_three_ways(tool):
+def test_each_column_times_its_call_after_what_it_names(tool, monkeypatch):
+    """Column 1 runs no product before the call, column 2 the 576 x 64 one, column 3 a layer's four."""
+    products, befores = [], {}
+    forward = packed_linear.PackedLinear.forward
+
+    def spy(self, x):
+        products.append((self.in_features, self.out_features))
+        return forward(self, x)
+
+    def one_call(call, before, calls):
+        products.clear()
+        before()
+        befores.setdefault(call, []).append(list(products))
+        call()
+        return 1.0
+    monkeypatch.setattr(packed_linear.PackedLinear, "forward", spy)
+    monkeypatch.setattr(tool, "median_us", one_call)
     results = tool.measure(rows=2, calls=3)
-    assert len(results) == 3, f"probes: {list(results)}"
-    for name, figures in results.items():
-        assert len(figures) == 3 and all(f > 0 for f in figures), f"{name}: {figures}"
+    assert len(results) == 3 and all(figures == [1.0, 1.0, 1.0] for figures in results.values()), results
+    layer = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+    for call, seen in befores.items():
+        assert seen == [[], [(576, 64)], layer], f"the products before each column's calls: {seen}"
