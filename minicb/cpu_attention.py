@@ -14,7 +14,8 @@ padded cache on a CPU, and how a compiled loop removes that cost:
   code by Numba (`@njit`), and run in parallel over sequences. Each sequence
   walks its block table a block at a time: every head's scores against the
   block's keys, then one new running max per head (and one rescale of what was
-  summed), the block's weights all at once, and their weighted values. It never
+  summed), the block's weights all at once, and their weighted values (each
+  value row read once for all the query heads that share it). It never
   copies a block. A few tokens ahead of the one it reads, it asks the CPU for
   that token's rows (a prefetch), because the next block may lie anywhere in
   the pool.
@@ -194,12 +195,18 @@ def _compiled_kernel(head_dim: int, group: int):
                         scores[h, t] *= two_to_whole[t]
                         total += scores[h, t]
                     running_sum[h] += total
-                    # 4. The weighted values.
-                    for t in range(count):
-                        weight = scores[h, t]
-                        value = v_cache[block, t, h // group]  # [D]
+                # 4. The weighted values, a value row at a time: each of its numbers is loaded
+                # once and added into the rows of its `group` query heads, which all weigh the
+                # same KV head's values (GQA). Head by head, the row was read once for each of
+                # them; on the Zen 3 the kernel took 7-15% longer that way (docs/results.md).
+                for t in range(count):
+                    for g in range(n_kv_heads):
+                        value = v_cache[block, t, g]  # [D]
+                        first = g * group  # the group's query heads: first .. first + group - 1
                         for d in range(head_dim):
-                            acc[h, d] += weight * value[d]
+                            v = value[d]
+                            for j in range(group):
+                                acc[first + j, d] += scores[first + j, t] * v
             for h in range(n_q_heads):
                 for d in range(head_dim):
                     out[seq, h, d] = acc[h, d] / running_sum[h]
