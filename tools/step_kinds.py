@@ -46,6 +46,7 @@ def tally(traces, slots: int) -> dict[str, dict]:
         row["prompt_tokens"] += split["prefill"]
         row["decode_tokens"] += split["decode"]
         row["times"].append(trace.time_s)
+
     def order(kind: str) -> tuple[int, int]:  # prefill, mixed, then decodes by their fewest rows
         return (2, int(kind.split()[1].split("-")[0])) if kind.startswith("decode") else (kind == "mixed", 0)
     return {kind: table[kind] for kind in sorted(table, key=order)}
