@@ -198,7 +198,7 @@ def _compiled_kernel(head_dim: int, group: int):
                 # 4. The weighted values, a value row at a time: each of its numbers is loaded
                 # once and added into the rows of its `group` query heads, which all weigh the
                 # same KV head's values (GQA). Head by head, the row was read once for each of
-                # them; on the Zen 3 the kernel took 7-15% longer that way (docs/results.md).
+                # them; on the Zen 3 the kernel takes 7-15% less this way (docs/results.md).
                 for t in range(count):
                     for g in range(n_kv_heads):
                         value = v_cache[block, t, g]  # [D]

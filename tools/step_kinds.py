@@ -8,7 +8,7 @@ It builds the workload and the engine exactly as `python -m minicb bench` does
 `--rounds` times on the clock, and sorts every step of the timed runs by what
 its forward computed (minicb.viz.token_split):
 
-    prefill        prompt tokens only: the first step, where the first batch of prompts is admitted
+    prefill        prompt tokens only (in the chat run, the first step: the first batch of prompts)
     mixed          prompt tokens beside decoding rows: a request takes a freed slot
     decode a-b     decoding rows only, a to b of them (four ranges of the slots)
 
