@@ -9,8 +9,10 @@ A learner's laptop runs a browser and Jupyter beside the engine. This runs
 64 tokens, 8 slots, minicb-continuous only) in fresh processes: for each setting,
 once alone and once while `--busy` processes spin a Python loop
 each; with `--rounds N`, N rounds of every setting in turn (alone, busy, next
-setting, ...), so that drift falls on all of them. It prints each run's tokens/s,
-then each setting's median: what share of its idle throughput the busy run
+setting, ...), so that drift falls on all of them. It prints each run's tokens/s
+and the cores the engine used (its CPU seconds over the run's seconds, all
+threads, spinning included: beside the busy loops, the share the scheduler gave
+it), then each setting's median: what share of its idle throughput the busy run
 kept, and its idle throughput against the best setting's.
 
 Each setting is environment variables for the bench process, space-separated
@@ -35,8 +37,8 @@ DEFAULT_BENCH = ["--workload", "chat", "--num-prompts", "16", "--max-tokens", "6
                  "--engines", "minicb-continuous"]
 
 
-def bench_tok_s(bench_args: list[str], setting: str) -> float:
-    """One bench process with the setting's variables and flags; the first engine's output tokens/s."""
+def bench_run(bench_args: list[str], setting: str) -> tuple[float, float]:
+    """One bench process with the setting's variables and flags; the first engine's output tokens/s and cores used."""
     words = setting.split()
     # A flag, and the value after it, go to the bench (e.g. --cpu-threads fixed); NAME=VALUE to the environment.
     is_flag = [w.startswith("--") or (i > 0 and words[i - 1].startswith("--") and "=" not in w)
@@ -50,7 +52,8 @@ def bench_tok_s(bench_args: list[str], setting: str) -> float:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         result = json.load(open(out))
     workload = next(iter(result["workloads"].values()))
-    return next(iter(workload["engines"].values()))["output_tok_s"]
+    row = next(iter(workload["engines"].values()))
+    return row["output_tok_s"], row["cores"]
 
 
 def main() -> None:
@@ -68,25 +71,28 @@ def main() -> None:
     from minicb.bench.machine import cpu_model
     print(f"python -m minicb bench {' '.join(bench_args)}; {args.busy} busy loop(s) beside the busy runs; "
           f"CPU: {cpu_model()}, {os.cpu_count()} cores; {args.rounds} round(s), settings in turns")
-    runs = {setting: [] for setting in args.settings}  # setting -> [(alone, busy)] per round
+    runs = {setting: [] for setting in args.settings}  # setting -> [((tok/s, cores) alone, busy)] per round
     for _ in range(args.rounds):
         for setting in args.settings:
-            alone = bench_tok_s(bench_args, setting)
+            alone = bench_run(bench_args, setting)
             loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
             try:
-                busy = bench_tok_s(bench_args, setting)
+                busy = bench_run(bench_args, setting)
             finally:
                 for p in loops:
                     p.kill()
                     p.wait()
             runs[setting].append((alone, busy))
-            print(f"  {setting or '(none)'}: alone {alone:.1f}, busy {busy:.1f} tok/s", flush=True)
-    best_alone = max(statistics.median(a for a, _ in r) for r in runs.values())
-    print("| setting | alone tok/s | busy tok/s | busy / alone | alone / best alone |")
-    print("|---|---:|---:|---:|---:|")
+            print(f"  {setting or '(none)'}: alone {alone[0]:.1f} tok/s on {alone[1]:.2f} cores, "
+                  f"busy {busy[0]:.1f} tok/s on {busy[1]:.2f} cores", flush=True)
+    best_alone = max(statistics.median(a[0] for a, _ in r) for r in runs.values())
+    print("| setting | alone tok/s | busy tok/s | busy / alone | alone / best alone | cores alone | cores busy |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for setting, r in runs.items():
-        alone, busy = statistics.median(a for a, _ in r), statistics.median(b for _, b in r)
-        print(f"| `{setting}` | {alone:.1f} | {busy:.1f} | {busy / alone:.0%} | {alone / best_alone:.0%} |")
+        alone, busy = statistics.median(a[0] for a, _ in r), statistics.median(b[0] for _, b in r)
+        cores_alone, cores_busy = statistics.median(a[1] for a, _ in r), statistics.median(b[1] for _, b in r)
+        print(f"| `{setting}` | {alone:.1f} | {busy:.1f} | {busy / alone:.0%} | {alone / best_alone:.0%} | "
+              f"{cores_alone:.2f} | {cores_busy:.2f} |")
 
 
 if __name__ == "__main__":

@@ -327,7 +327,11 @@ def run_workload(engines: dict, requests: list[Request], arrivals: list[float] |
             if name in errors:
                 continue
             try:
+                began, cpu_began = time.perf_counter(), time.process_time()
                 result = run(requests, arrivals, True)
+                # Cores the process used over the run (all its threads, spinning included): beside
+                # busy programs, the share of the machine the scheduler gave it (tools/busy_bench.py).
+                cores = (time.process_time() - cpu_began) / (time.perf_counter() - began)
             except Exception as e:  # one broken engine must not cost the others' numbers
                 errors[name] = f"{type(e).__name__}: {e}"
                 print(f"{name} failed: {errors[name]}", file=sys.stderr)
@@ -336,7 +340,8 @@ def run_workload(engines: dict, requests: list[Request], arrivals: list[float] |
                    "busy_slots": result.busy_slots, "kv_waste_pct": result.kv_waste_pct,
                    "prefill_tokens": result.prefill_tokens, "tokens_per_step": result.tokens_per_step,
                    "cache_hit_pct": (None if result.cached_tokens is None
-                                     else 100 * result.cached_tokens / prompt_tokens)}
+                                     else 100 * result.cached_tokens / prompt_tokens),
+                   "cores": cores}
             runs[name].append((row, result.token_ids))
     rows = {}
     for name, done in runs.items():

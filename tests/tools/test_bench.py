@@ -166,6 +166,24 @@ def test_run_workload_ratios_errors_and_agreement():
     assert len({line.count("|") for line in table.splitlines()}) == 1, "every row needs the same number of cells"
 
 
+def test_run_workload_counts_the_cores_a_run_used():
+    # One engine computes for its whole run, the other sleeps through it: about 1 core against about 0.
+    def engine(work):
+        def run(requests, arrivals, progress):
+            end = time.perf_counter() + 0.3
+            while time.perf_counter() < end:
+                if not work:
+                    time.sleep(0.01)
+            timings = [metrics.RequestTiming(0.0, 0.1, 0.3, 2) for _ in requests]
+            return runners.EngineResult([[1, 2] for _ in requests], timings, utilisation=1.0, kv_waste_pct=0.0)
+        return run
+
+    rows = runners.run_workload({"minicb-continuous": engine(True), "hf-generate": engine(False)},
+                                [workloads.Request([5], max_tokens=2)], None)
+    assert rows["minicb-continuous"]["cores"] > 0.6, rows["minicb-continuous"]["cores"]
+    assert rows["hf-generate"]["cores"] < 0.3, rows["hf-generate"]["cores"]
+
+
 def test_run_workload_rounds_take_turns_and_ratios_pair_rounds():
     calls = []
 
