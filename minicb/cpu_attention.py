@@ -16,9 +16,10 @@ padded cache on a CPU, and how a compiled loop removes that cost:
   block's keys, then one new running max per head (and one rescale of what was
   summed), the block's weights all at once, and their weighted values (each
   value row read once for all the query heads that share it). It never
-  copies a block. A few tokens ahead of the one it reads, it asks the CPU for
-  that token's rows (a prefetch), because the next block may lie anywhere in
-  the pool.
+  copies a block. While it scores a block it asks the CPU for the block's
+  value rows, and while it weighs values, for the next block's key rows (a
+  prefetch): the next block may lie anywhere in the pool, and this way memory
+  is read during both kinds of work, not in bursts.
 
 Its first version folded in one key at a time, chapter 04's online softmax at
 its finest grain: a comparison, a rescale and a C library exp for every key and
@@ -67,16 +68,21 @@ from minicb.paged_attention import check_paged_args
 FLOAT_MAX = np.float32(np.finfo(np.float32).max)  # the running max's start, in place of -inf
 
 
-# How many tokens ahead of the one it reads the kernel asks for K/V rows (0: never).
-# With the first, key-at-a-time kernel, on an Intel Xeon, a 32-sequence step took 4-5 ms
-# less with 8 on 2 threads and 10 ms less on one (in turns); over 30 scattered pools 2
-# and 4 were slower than none (a row asked for so late comes with the demand load
-# anyway, and the request takes a slot), 16 and 32 no better than 8. With this kernel,
-# on an AMD EPYC (Zen 3), over 30 pools: 15.8 ms with 8, 15.6 with 16, 17.2 with 32 and
-# 25.4 with none. `python -m minicb.cpu_attention` times 8 against none.
+# Whether the kernel asks for K/V rows before it reads them (a prefetch; False: never).
+# It asks for a block's value rows while it scores the block's keys, and for the next
+# block's key rows while it weighs this block's values: each phase asks for half of what
+# the next one reads, so memory is busy all the time. The kernel used to ask for a token's
+# K and V rows 8 tokens ahead, all while scoring, so that memory was busy in bursts and
+# idle while values were weighed. On an AMD EPYC (Zen 3), over 30 scattered pools of 32
+# sequences (tokens from memory), in turns: 30.9 -> 25.0 ms on 2 threads, 40.1 -> 30.5 on
+# one, and 20.9 -> 18.0 later on 2 threads; in cache it costs 5% (0.47 -> 0.50 ms), where
+# no row needs asking for. The key-at-a-time kernel before that took 4-5 ms less a
+# 32-sequence step on an Intel Xeon with 8 tokens ahead than with none; 2 and 4 tokens
+# were slower than none, 16 and 32 no better than 8 (docs/results.md).
+# `python -m minicb.cpu_attention` times the kernel with and without.
 # (Numba's disk cache follows this file, not minicb/cpu_prefetch.py: after changing
 # that one, delete minicb/__pycache__/*.nbi.)
-PREFETCH_AHEAD = 8
+PREFETCH = True
 
 
 @functools.cache
@@ -113,10 +119,11 @@ def _compiled_kernel(head_dim: int, group: int):
     # fastmath lets the compiler reorder the sums in the dot products, so they run
     # as SIMD instructions; the result differs from SDPA's only in the last bits.
     @njit(parallel=True, fastmath=True, cache=True)
-    def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out, ahead):
+    def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out, prefetch_rows):
         # head_dim and group: the closure's constants, which the caller took from these arrays
         num_seqs, n_q_heads = q.shape[0], q.shape[1]
         num_blocks, block_size, n_kv_heads = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+        row_floats = n_kv_heads * head_dim  # one token's row of a block: every KV head, side by side
         # Numba checks no index: a block id outside the pool would read whatever memory
         # lies there. So each job counts the blocks it refuses to read, and the caller
         # raises if any was (a parallel loop cannot raise itself).
@@ -142,24 +149,25 @@ def _compiled_kernel(head_dim: int, group: int):
             if n > block_tables.shape[1] * block_size:  # more tokens than its table lists
                 refused += 1
                 continue
-            for b in range((n + block_size - 1) // block_size):
+            used = (n + block_size - 1) // block_size  # blocks holding its context
+            for b in range(used):
                 block = block_tables[seq, b]
                 if block < 0 or block >= num_blocks:
                     refused += 1
                     break
                 count = min(block_size, n - b * block_size)  # tokens of this block in the context
+                # The next block's id, to ask early for its key rows (-1: none; an id outside the pool is
+                # not asked for, and the next round refuses it). The CPU's own prefetcher follows a run
+                # of memory, but cannot know where the next block lies.
+                following = block_tables[seq, b + 1] if prefetch_rows and b + 1 < used else -1
+                if following >= num_blocks:
+                    following = -1
                 # 1. Every head's score against every key of the block.
                 for t in range(count):
-                    # Ask now for the K and V rows of the token `ahead` further on. The CPU's own
-                    # prefetcher follows a run of memory, but cannot know where the next block lies.
-                    later = b * block_size + t + ahead
-                    if ahead > 0 and later < n:
-                        later_block = block_tables[seq, later // block_size]
-                        if 0 <= later_block < num_blocks:
-                            row = (later_block * block_size + later % block_size) * n_kv_heads * head_dim
-                            for line in range(0, n_kv_heads * head_dim, 16):  # 16 floats: a 64-byte cache line
-                                prefetch(k_cache, row + line)
-                                prefetch(v_cache, row + line)
+                    if prefetch_rows:  # this token's value rows, which step 4 reads
+                        row = (block * block_size + t) * row_floats
+                        for line in range(0, row_floats, 16):  # 16 floats: a 64-byte cache line
+                            prefetch(v_cache, row + line)
                     for h in range(n_q_heads):
                         key = k_cache[block, t, h // group]  # [D], read in place
                         score = np.float32(0.0)
@@ -200,6 +208,10 @@ def _compiled_kernel(head_dim: int, group: int):
                 # same KV head's values (GQA). Head by head, the row was read once for each of
                 # them; on the Zen 3 the kernel takes 7-15% less this way (docs/results.md).
                 for t in range(count):
+                    if following >= 0 and (b + 1) * block_size + t < n:  # the next block's key rows
+                        row = (following * block_size + t) * row_floats
+                        for line in range(0, row_floats, 16):
+                            prefetch(k_cache, row + line)
                     for g in range(n_kv_heads):
                         value = v_cache[block, t, g]  # [D]
                         first = g * group  # the group's query heads: first .. first + group - 1
@@ -291,7 +303,7 @@ def applies_to(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, scale=None,
-                                     prefetch_ahead: int = PREFETCH_AHEAD):
+                                     prefetch_rows: bool = PREFETCH):
     """The kernel on arguments already checked. Returns [num_seqs, n_q_heads, head_dim].
 
     .numpy() shares memory with a CPU tensor: nothing is copied, and on a CPU
@@ -307,7 +319,7 @@ def paged_decode_attention_unchecked(q, k_cache, v_cache, block_tables, context_
             numba.set_num_threads(_numba_threads)
     kernel = _compiled_kernel(q.shape[2], q.shape[1] // k_cache.shape[2])  # head_dim, query heads per KV head
     refused = kernel(q.numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(), context_lens.numpy(),
-                     np.float32(scale), out.numpy(), prefetch_ahead)
+                     np.float32(scale), out.numpy(), prefetch_rows)
     if refused:
         raise ValueError(_outside_the_pool(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1]))
     return out
@@ -414,11 +426,11 @@ if __name__ == "__main__":
     pools = [(torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(num_layers)]
     megabytes = 2 * num_layers * int(lens.sum()) * n_kv_heads * head_dim * 4 / 1e6
     print(f"{num_layers} layers, each its own pool ({megabytes:.0f} MB of K and V read), in turns, median of 5x15:")
-    steps = {ahead: [] for ahead in (PREFETCH_AHEAD, 0)}
+    steps = {ask: [] for ask in (True, False)}
     for _ in range(5):
-        for ahead, ms in steps.items():
-            ms.append(median_ms(lambda: [paged_decode_attention_unchecked(q, k, v, tables, lens, prefetch_ahead=ahead)
+        for ask, ms in steps.items():
+            ms.append(median_ms(lambda: [paged_decode_attention_unchecked(q, k, v, tables, lens, prefetch_rows=ask)
                                          for k, v in pools], runs=15))
     with_it, without = (sorted(ms)[2] for ms in steps.values())
-    print(f"  compiled {with_it:.1f} ms asking {PREFETCH_AHEAD} tokens ahead, {without:.1f} ms without "
+    print(f"  compiled {with_it:.1f} ms asking for rows early, {without:.1f} ms without "
           f"({without / with_it:.2f}x)")

@@ -3,7 +3,8 @@ cache line now, because the kernel will read it soon.
 
 A CPU's own prefetcher follows runs of memory. A paged KV cache jumps: a sequence's
 next block may lie anywhere in the pool, and only the kernel, which reads the block
-table, knows where. So minicb/cpu_attention.py asks for the rows a few tokens ahead.
+table, knows where. So minicb/cpu_attention.py asks for a block's value rows while it
+scores the block, and for the next block's key rows while it weighs values.
 A prefetch never faults and changes no value: it only saves waiting later.
 
 Numba has no prefetch of its own; this is LLVM's `llvm.prefetch` intrinsic, which

@@ -71,15 +71,15 @@ def test_matches_the_gather_where_scores_span_hundreds(order):
     assert err < 2e-5, f"{order} scores: compiled kernel differs from chapter 04's gather by {err:.2e}"
 
 
-def test_asking_for_rows_ahead_changes_no_value():
-    # The prefetch is a hint to the CPU: any distance, none, or one past every context must
-    # give the same bits. Its addresses follow the block tables, here scattered at random.
-    args = scattered_pool([1, 16, 17, 5, 40, 33], 9, 3, 64, 16, seed=5)
-    want = cpu_attention.paged_decode_attention_unchecked(*args, prefetch_ahead=0)
-    for ahead in (1, 8, cpu_attention.PREFETCH_AHEAD, 41, 1000):
-        got = cpu_attention.paged_decode_attention_unchecked(*args, prefetch_ahead=ahead)
-        assert torch.equal(got, want), (f"prefetch_ahead={ahead} changed the output by "
-                                        f"{(got - want).abs().max():.2e}")
+def test_asking_for_rows_early_changes_no_value():
+    # The prefetch is a hint to the CPU: asking or not must give the same bits. Its addresses
+    # follow the block tables, here scattered at random, with contexts that end inside a block,
+    # on its last token, one past it, and shorter than one block.
+    args = scattered_pool([1, 16, 17, 5, 40, 33, 32], 9, 3, 64, 16, seed=5)
+    want = cpu_attention.paged_decode_attention_unchecked(*args, prefetch_rows=False)
+    got = cpu_attention.paged_decode_attention_unchecked(*args, prefetch_rows=True)
+    assert torch.equal(got, want), f"asking for rows early changed the output by {(got - want).abs().max():.2e}"
+    assert cpu_attention.PREFETCH, "the engine's calls ask for rows early by default"
 
 
 def test_compiled_store_matches_chapter04s():
