@@ -70,15 +70,16 @@ FLOAT_MAX = np.float32(np.finfo(np.float32).max)  # the running max's start, in 
 
 # Whether the kernel asks for K/V rows before it reads them (a prefetch; False: never).
 # It asks for a block's value rows while it scores the block's keys, and for the next
-# block's key rows while it weighs this block's values: each phase asks for half of what
-# the next one reads, so memory is busy all the time. The kernel used to ask for a token's
-# K and V rows 8 tokens ahead, all while scoring, so that memory was busy in bursts and
-# idle while values were weighed. On an AMD EPYC (Zen 3), over 30 scattered pools of 32
-# sequences (tokens from memory), in turns: 30.9 -> 25.0 ms on 2 threads, 40.1 -> 30.5 on
-# one, and 20.9 -> 18.0 later on 2 threads; in cache it costs 5% (0.47 -> 0.50 ms), where
-# no row needs asking for. The key-at-a-time kernel before that took 4-5 ms less a
-# 32-sequence step on an Intel Xeon with 8 tokens ahead than with none; 2 and 4 tokens
-# were slower than none, 16 and 32 no better than 8 (docs/results.md).
+# block's key rows while it weighs this block's values: each phase asks for what the other
+# reads next, one row a token, so memory is busy all the time. The kernel used to ask for
+# a token's K and V rows 8 tokens ahead, all while scoring, so that memory was busy in
+# bursts and idle while values were weighed. On an AMD EPYC (Zen 3), over 30 scattered
+# pools of 32 sequences (tokens from memory), in turns: 32.3 -> 25.2 ms on 2 threads, 47.1
+# -> 36.2 on one; the attention inside a 32-slot step 18-22% less. In cache, where no row
+# needs asking for, it costs 5% (0.47 -> 0.50 ms). The key-at-a-time kernel before
+# that took 4-5 ms less a 32-sequence step on an Intel Xeon with 8 tokens ahead than
+# with none; 2 and 4 tokens were slower than none, 16 and 32 no better than 8
+# (docs/results.md).
 # `python -m minicb.cpu_attention` times the kernel with and without.
 # (Numba's disk cache follows this file, not minicb/cpu_prefetch.py: after changing
 # that one, delete minicb/__pycache__/*.nbi.)
