@@ -167,7 +167,8 @@ def test_run_workload_ratios_errors_and_agreement():
 
 
 def test_run_workload_counts_the_cores_a_run_used():
-    # One engine computes for its whole run, the other sleeps through it: about 1 core against about 0.
+    # One engine computes for its whole run, the other sleeps through it: about 1 core against about 0
+    # (bounds loose enough for a test worker that shares its cores with another).
     def engine(work):
         def run(requests, arrivals, progress):
             end = time.perf_counter() + 0.3
@@ -180,8 +181,8 @@ def test_run_workload_counts_the_cores_a_run_used():
 
     rows = runners.run_workload({"minicb-continuous": engine(True), "hf-generate": engine(False)},
                                 [workloads.Request([5], max_tokens=2)], None)
-    assert rows["minicb-continuous"]["cores"] > 0.6, rows["minicb-continuous"]["cores"]
-    assert rows["hf-generate"]["cores"] < 0.3, rows["hf-generate"]["cores"]
+    assert rows["minicb-continuous"]["cores"] > 0.3, rows["minicb-continuous"]["cores"]
+    assert rows["hf-generate"]["cores"] < 0.15, rows["hf-generate"]["cores"]
 
 
 def test_run_workload_rounds_take_turns_and_ratios_pair_rounds():
