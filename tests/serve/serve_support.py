@@ -33,6 +33,31 @@ def tiny_llm(**engine_config) -> LLM:
     return LLM.from_model(tiny_model(), ByteTokenizer(), **{"max_num_seqs": 8, **engine_config})
 
 
+class PacedRunner:
+    """The engine's runner with every step taking at least `seconds`.
+
+    A test that acts while a long request still runs (hangs up on it, shuts the
+    server down under it) must not race the CPU: the tiny model's step takes
+    under a millisecond on one machine and 15 on another, so 480 tokens can be
+    over before the test acts. Paced, they last 480 x `seconds` on any of them.
+    """
+
+    def __init__(self, runner, seconds: float):
+        self.runner, self.seconds = runner, seconds
+
+    def __call__(self, inputs):
+        start = time.perf_counter()
+        logits = self.runner(inputs)
+        time.sleep(max(0.0, self.seconds - (time.perf_counter() - start)))
+        return logits
+
+
+def paced(engine, seconds: float = 0.01):
+    """`engine` with its runner paced (PacedRunner): call before any request arrives."""
+    engine.runner = PacedRunner(engine.runner, seconds)
+    return engine
+
+
 @contextlib.contextmanager
 def tiny_server(max_waiting: int = 256, shutdown_timeout: float = 2.0, **engine_config):
     """(url, app) of a server on 127.0.0.1 at a free port, stopped on exit as on SIGTERM: drained

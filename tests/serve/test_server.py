@@ -24,7 +24,7 @@ from minicb.serve.loop import EngineLoop, Finished, Token
 from minicb.serve.app import create_app
 from minicb.serve.server import serve_in_thread
 
-from serve_support import TINY, ByteTokenizer, metric, tiny_llm, tiny_server, wait_for
+from serve_support import TINY, ByteTokenizer, metric, paced, tiny_llm, tiny_server, wait_for
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -185,7 +185,7 @@ def test_64_concurrent_streams_get_exactly_their_own_tokens():
 def test_engine_loop_abort_takes_effect_before_the_next_step():
     """Directly on the loop: after abort(), no step that starts later holds the request."""
     llm = tiny_llm(keep_traces=1, max_num_seqs=4)
-    engine = llm.engine
+    engine = paced(llm.engine)  # 400 steps last 4 s: the request still runs when it is aborted
 
     async def scenario():
         loop = EngineLoop(engine)
@@ -226,7 +226,8 @@ def wait_until_aborted_and_free(client: httpx.Client, max_tokens: int) -> None:
 
 
 def test_client_disconnecting_mid_stream_aborts_the_request():
-    with tiny_server(max_num_seqs=4) as (url, _), httpx.Client(base_url=url, timeout=10) as client:
+    with tiny_server(max_num_seqs=4) as (url, app), httpx.Client(base_url=url, timeout=10) as client:
+        paced(app.state.loop.engine)  # 480 steps last 4.8 s: the hang-up comes long before the end
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True}
         with client.stream("POST", "/v1/completions", json=body) as response:
             seen = 0
@@ -241,7 +242,8 @@ def test_client_disconnecting_mid_stream_aborts_the_request():
 
 
 def test_client_giving_up_on_a_whole_answer_aborts_the_request():
-    with tiny_server(max_num_seqs=4) as (url, _), httpx.Client(base_url=url, timeout=10) as client:
+    with tiny_server(max_num_seqs=4) as (url, app), httpx.Client(base_url=url, timeout=10) as client:
+        paced(app.state.loop.engine)  # 480 steps last 4.8 s, the client waits 0.3
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 480, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and closes the connection
             httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
@@ -308,6 +310,7 @@ def test_bad_requests_get_400_in_openai_shape_and_the_server_keeps_serving():
 
 def test_overload_answers_503_with_retry_after():
     with tiny_server(max_num_seqs=1, max_waiting=2) as (url, app), httpx.Client(base_url=url, timeout=20) as client:
+        paced(app.state.loop.engine)  # the long request holds its slot for 5 s
         long = {"prompt": [5, 6, 7, 8], "max_tokens": 500, "ignore_eos": True, "stream": True}
         short = {"prompt": [9, 10], "max_tokens": 3, "stream": True}
         with client.stream("POST", "/v1/completions", json=long) as running:
@@ -346,8 +349,7 @@ def test_shutdown_lets_short_requests_finish_and_aborts_the_rest():
             results[name] = e
 
     with tiny_server(max_num_seqs=4, shutdown_timeout=0.3) as (url, app):  # drains for 0.3 s on the way out
-        engine = app.state.loop.engine
-        # A tiny-model step takes 2-15 ms here: 500 steps take over a second, 5 steps well under 0.3 s.
+        engine = paced(app.state.loop.engine)  # 10 ms a step: 500 steps take 5 s, 5 steps well under 0.3 s
         readers = [threading.Thread(target=read, args=(url, "long", {"prompt": [3, 4], "max_tokens": 500,
                                                                      "ignore_eos": True})),
                    threading.Thread(target=read, args=(url, "short", {"prompt": [3, 4], "max_tokens": 5,
@@ -374,7 +376,7 @@ def test_engine_loop_close_ends_every_completion_even_those_not_forked_yet():
     """stop() aborts what is left: each completion of each request gets Finished(..., "abort"), including
     those of a waiting n = 2 request, which the engine has not forked, so its streams end too."""
     llm = tiny_llm(keep_traces=1, max_num_seqs=2)
-    engine = llm.engine
+    engine = paced(llm.engine)  # 400 steps last 4 s: both requests are still there when the loop stops
     params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=1.0, seed=3, n=2)
 
     async def ended(handle) -> dict[int, str]:

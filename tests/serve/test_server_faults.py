@@ -11,6 +11,7 @@ forward never wrote.
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -22,18 +23,27 @@ from serve_support import tiny_llm, tiny_server
 
 
 class FlakyRunner:
-    """The engine's runner, raising once on call number `fail_at` (counting from arming)."""
+    """The engine's runner, raising once: on the first step, after arming, whose batch holds `rows` rows.
+
+    Until then each armed step waits PACE seconds, so a fast CPU cannot finish the
+    first request before the second one has arrived (the steps before it are the
+    ones that wait; none after).
+    """
+
+    PACE = 0.05  # s a step while waiting for the rows: 40 tokens give the second request 2 s to arrive
 
     def __init__(self, runner):
-        self.runner, self.calls, self.fail_at = runner, 0, None
+        self.runner, self.rows, self.failed = runner, None, False
 
-    def arm(self, steps_from_now: int) -> None:
-        self.fail_at = self.calls + steps_from_now
+    def arm(self, rows: int) -> None:
+        self.rows = rows
 
     def __call__(self, inputs):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("injected: the forward failed")
+        if self.rows is not None and not self.failed:
+            if len(inputs.block_tables) >= self.rows:  # a row a sequence: no drafts here
+                self.failed = True
+                raise RuntimeError("injected: the forward failed")
+            time.sleep(self.PACE)
         return self.runner(inputs)
 
 
@@ -49,7 +59,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_keeps_serving():
         def whole():
             answers["whole"] = client.post("/v1/completions", json=body)
 
-        flaky.arm(6)  # a few steps in: both requests are running
+        flaky.arm(rows=2)  # the first step that runs both requests
         thread = threading.Thread(target=whole)
         thread.start()
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
