@@ -27,7 +27,7 @@ from minicb.sampling import SamplingParams
 from minicb.serve.app import create_app
 from minicb.serve.server import serve_in_thread
 
-from serve_support import TINY, metric, tiny_llm, tiny_server, wait_for
+from serve_support import TINY, metric, paced, tiny_llm, tiny_server, wait_for
 
 
 def greedy(prompts, max_tokens, ignore_eos=None):
@@ -110,6 +110,9 @@ def test_a_client_that_stops_reading_is_aborted_and_holds_up_nobody():
     want_slow, *want = greedy([slow_prompt, *prompts], [slow_max, *max_tokens], [True] + [False] * len(prompts))
 
     app = create_app(tiny_llm(keep_traces=1, max_num_seqs=8), TINY, max_buffered_steps=buffered)
+    # 10 ms a step: 8 steps are then 80 ms, not the 4 of a fast CPU, in which a normal reader that
+    # the OS or the GIL keeps waiting (the server runs in this process) falls 8 behind and is aborted.
+    paced(app.state.loop.engine)
     with serve_in_thread(app, shutdown_timeout=2.0) as url, httpx.Client(base_url=url, timeout=30) as client:
         slow = connect(url, SLOW_CLIENT)
         try:
@@ -192,7 +195,7 @@ def test_a_client_that_stops_reading_is_aborted_and_holds_up_nobody():
 def test_a_client_that_vanishes_mid_stream_is_aborted_within_steps():
     max_tokens = 480
     with tiny_server(max_num_seqs=4) as (url, app), httpx.Client(base_url=url, timeout=10) as client:
-        engine = app.state.loop.engine
+        engine = paced(app.state.loop.engine)  # 10 ms a step: "within 20 steps" means 200 ms on any CPU
         sock = connect(url)
         sock.sendall(http_request(url, {"prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "ignore_eos": True,
                                         "temperature": 0, "stream": True}))
