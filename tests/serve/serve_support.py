@@ -5,6 +5,8 @@ Their streams are read with minicb/bench/sse.py, the parser bench-serve and tool
 The tiny random model (minicb.model.random_model) with a byte tokenizer (token
 id = one UTF-8 byte; minicb/serve/tiny.py, which also serves it from the
 command line) makes the text paths testable in milliseconds per step, without SmolLM2.
+A test that acts while a request still runs paces the engine (`paced`), so that its
+timing means the same on a fast CPU as on a slow one.
 """
 from __future__ import annotations
 
