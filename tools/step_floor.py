@@ -21,7 +21,9 @@ falls on each alike. Each figure is a median.
 
 `--knockout` then takes the step apart: the same decode step with one piece
 replaced by nothing (the decode attention, the K/V store, the norms, rotary,
-SwiGLU; then all five), in turns with the whole step and the floor. The tokens
+SwiGLU; then all five), in turns with the whole step and the floor. It ends
+with the decode attention's two bounds: a plain read of the step's K and V, and
+the kernel's arithmetic with them in cache (`attention_bounds`). The tokens
 of such a step are wrong; only its time counts. What a piece saves is what it
 costs inside the step, where a piece timed alone costs less (docs/results.md,
 "What a 2-thread step pays beyond its products").
@@ -120,13 +122,58 @@ def without(*names: str):
             setattr(cls, method, original)
 
 
+def attention_bounds(engine: Engine, rounds: int) -> dict:
+    """What the decode attention of one step cannot go below, on this CPU and thread count.
+
+    It must read every slot's K and V once (`kv_mb`), and `read_ms` is a plain pass over
+    that many bytes (torch.sum over a buffer of the same size, too large for the caches).
+    It must also do its arithmetic: `in_cache_ms` is the kernel run once per layer as in
+    the step, but on the first layer's pool every time, so that after the first call its
+    rows come from the caches. The attention in a step takes at least the larger of the two.
+    """
+    seen = []
+    original = CpuDecodeAttention.decode
+
+    def record(self, q, k_cache, v_cache, plan):
+        if not seen:
+            seen.append((self, q, k_cache, v_cache, plan))
+        return original(self, q, k_cache, v_cache, plan)
+    CpuDecodeAttention.decode = record
+    try:
+        engine.step()
+    finally:
+        CpuDecodeAttention.decode = original
+    backend, q, k_cache, v_cache, plan = seen[0]
+    layers = engine.model.config.num_layers
+    _, context_lens = plan
+    row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # one token's K (or V) row
+    kv_bytes = 2 * layers * int(context_lens.sum()) * row_bytes
+    buffer = torch.ones(kv_bytes // 4)
+
+    def in_cache():
+        for _ in range(layers):
+            backend.decode(q, k_cache, v_cache, plan)
+    read_ms, in_cache_ms = median_ms_in_turns([buffer.sum, in_cache], rounds)
+    # Two multiply-adds per K/V element a query head reads: one for its score, one for its weighted value.
+    flops = 4 * layers * int(context_lens.sum()) * q.shape[1] * q.shape[2]
+    return {"kv_mb": kv_bytes / 1e6, "read_ms": read_ms, "in_cache_ms": in_cache_ms,
+            "gflops_in_cache": flops / in_cache_ms / 1e6}
+
+
+def floor_gflops(model, rows: int, floor_ms: float) -> float:
+    """The rate of the floor's arithmetic: a multiply-add for each weight, on each row."""
+    return 2 * rows * sum(m.in_features * m.out_features for m in linear_layers(model)) / floor_ms / 1e6
+
+
 def knockout(model, slots: int, context: int, rounds: int) -> None:
     """Print the step whole, without each piece, without all of them, and the floor: in turns."""
     runs = [()] + [(name,) for name in PIECES] + [tuple(PIECES)]
-    engine = decoding_engine(model, slots, context, len(runs) * rounds + 2)
+    engine = decoding_engine(model, slots, context, len(runs) * rounds + 3)  # and one for attention_bounds
     if not isinstance(engine.attention, CpuDecodeAttention):
         raise SystemExit(f"--knockout takes apart the CPU decode of minicb/cpu_attention.py; this engine runs "
                          f"{type(engine.attention).__name__} (is Numba installed?)")
+
+    bounds = attention_bounds(engine, rounds)  # first, at the context the step table's steps had
 
     def step_without(names):
         def step():
@@ -143,6 +190,11 @@ def knockout(model, slots: int, context: int, rounds: int) -> None:
     for label, step in zip(labels, ms[:-1]):
         print(f"| {label} | {step:.1f} | {whole - step:+.1f} | {step / floor:.2f} |")
     print(f"| (the floor: its products alone) | {floor:.1f} | {whole - floor:+.1f} | 1.00 |", flush=True)
+    print(f"\nThe decode attention's own bounds: reading the step's {bounds['kv_mb']:.0f} MB of K and V once "
+          f"(a plain sum) takes {bounds['read_ms']:.1f} ms; its arithmetic, with the K and V of one layer in cache, "
+          f"{bounds['in_cache_ms']:.1f} ms over {model.config.num_layers} layers ({bounds['gflops_in_cache']:.0f} "
+          f"GFLOP/s, where the products run at {floor_gflops(model, slots, floor):.0f}). A step at 1.3 of its "
+          f"floor leaves {0.3 * floor:.1f} ms for everything above the products.", flush=True)
 
 
 def main() -> None:

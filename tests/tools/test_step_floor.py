@@ -78,3 +78,26 @@ def test_knockout_takes_each_piece_out_of_the_step_and_puts_it_back(tool):
             setattr(cls, method, original)
     assert all(cls.__dict__[method] is not nothing for cls, method, nothing in tool.PIECES.values()), \
         "a piece was left replaced by nothing"
+
+
+def test_attention_bounds_read_the_steps_own_k_and_v(tool):
+    cfg = tiny_config()
+    engine = tool.decoding_engine(random_model(cfg), slots=2, context=20, steps=4)
+    bounds = tool.attention_bounds(engine, rounds=2)
+    # Prompts of 20 and 25 tokens, then a prefill and two decodes: the measured step attends over
+    # 20 + 3 and 25 + 3 tokens, each a K row and a V row of n_kv_heads * head_dim floats in every layer.
+    expected = 2 * cfg.num_layers * (23 + 28) * cfg.num_kv_heads * cfg.head_dim * 4 / 1e6
+    assert bounds["kv_mb"] == pytest.approx(expected), f"{bounds['kv_mb']} MB of K and V; the step holds {expected}"
+    assert bounds["read_ms"] > 0 and bounds["in_cache_ms"] > 0, f"a bound was not timed: {bounds}"
+    flops = 4 * cfg.num_layers * (23 + 28) * cfg.num_heads * cfg.head_dim  # a score and a weighted value per K/V row read
+    assert bounds["gflops_in_cache"] == pytest.approx(flops / bounds["in_cache_ms"] / 1e6), bounds
+
+
+def test_floor_gflops_counts_a_multiply_add_per_weight_and_row(tool):
+    cfg = tiny_config()
+    model = random_model(cfg)
+    per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim   # q, k, v
+                 + cfg.num_heads * cfg.head_dim * cfg.hidden_size                        # o
+                 + 3 * cfg.hidden_size * cfg.intermediate_size)                          # gate, up, down
+    weights = cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size              # and lm_head
+    assert tool.floor_gflops(model, rows=4, floor_ms=2.0) == pytest.approx(2 * 4 * weights / 2.0 / 1e6)
