@@ -148,7 +148,7 @@ def attention_bounds(engine: Engine, rounds: int) -> dict:
     _, context_lens = plan
     row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # one token's K (or V) row
     kv_bytes = 2 * layers * int(context_lens.sum()) * row_bytes
-    buffer = torch.ones(kv_bytes // 4)
+    buffer = torch.ones(kv_bytes // k_cache.element_size(), dtype=k_cache.dtype)
 
     def in_cache():
         for _ in range(layers):
