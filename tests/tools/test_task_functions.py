@@ -87,11 +87,13 @@ def test_a_misspelt_method_is_named_with_its_near_miss(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chapter, function", [(6, "Scheduler.admit"), (7, "CachingBlockAllocator.free"),
+@pytest.mark.parametrize("chapter, function", [(2, "PaddedKVCache.key_mask"), (6, "Scheduler.admit"),
+                                               (7, "CachingBlockAllocator.free"),
                                                (8, "ChunkedScheduler.tokens_to_compute")])
 def test_check_fails_a_task_whose_method_only_a_given_class_has(chapter, function, tmp_path):
-    """End to end: these three stubs' classes inherit given classes that have a method of that name
-    (chapter 06's rule, chapter 03's free), so without the grader's reading the task would pass."""
+    """End to end: these four stubs' classes inherit given classes that have a method of that name
+    (chapter 01's key_mask, chapter 06's rule, chapter 03's free), so without the grader's reading
+    the task would pass."""
     task = next(t for t, names in tasks.task_functions(chapter).items() if function in names)
     path = tmp_path / "exercise.py"
     path.write_text(without(solution(chapter), function))
